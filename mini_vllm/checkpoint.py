@@ -1,0 +1,428 @@
+"""Offline checkpoints: Hugging Face-format Qwen3 directories with random weights.
+
+`make_model(out_dir, preset)` writes everything a real `Qwen/Qwen3-*` download holds
+(`config.json`, safetensors weights, `generation_config.json`, `tokenizer.json`,
+`tokenizer_config.json` with the chat template), so the engine, `transformers` and the
+tests all read our checkpoints through the same code as real ones. The tokenizer is the
+byte-level BPE shipped in `mini_vllm/data/` (built by `scripts/build_tokenizer.py`); the
+weights are random but deterministic in the seed. `resolve_model_dir` turns a user's
+`--model` argument into a checkpoint directory, writing the embedded tiny default on
+first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mini_vllm.config import resolve_dtype
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+TOKENIZER_FILE = DATA_DIR / "tokenizer.json"
+CHAT_TEMPLATE_FILE = DATA_DIR / "chat_template.jinja"
+
+DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
+DEFAULT_PRESET = "tiny"
+# Bump when the way weights are generated changes, so cached default models are rebuilt.
+_WEIGHTS_FORMAT_VERSION = "1"
+
+# Token ids of the shipped tokenizer's added tokens that config files refer to. The
+# test suite checks them against tokenizer.json (they are at the end of the vocabulary,
+# in Qwen3's order, as in Qwen3 where <|endoftext|> is 151643).
+ENDOFTEXT_ID = 2305  # <|endoftext|>: bos / pad, and a second eos
+IM_END_ID = 2307  # <|im_end|>: the chat eos
+
+# Qwen3's additional special tokens (tokenizer_config.json `additional_special_tokens`).
+_ADDITIONAL_SPECIAL_TOKENS = [
+    "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+# --8<-- [start:presets]
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1_000_000.0,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "bos_token_id": ENDOFTEXT_ID,
+    "eos_token_id": IM_END_ID,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A few MB, fast on a CPU: the embedded default and the tests' model. head_dim is
+    # deliberately NOT hidden_size / num_attention_heads (64 / 4 = 16), as in real Qwen3.
+    # vocab_size is the tokenizer's 2331 tokens rounded up to a multiple of 64, so ids
+    # 2331..2367 exist in the embedding but not in the tokenizer (as in real Qwen3).
+    "tiny": {
+        **_QWEN3_COMMON,
+        "vocab_size": 2368,
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "max_window_layers": 4,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    },
+    # The real architectures' shapes (Qwen/Qwen3-0.6B and Qwen/Qwen3-8B).
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-8b": {
+        **_QWEN3_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+# The same tiny shapes with a separate lm_head.weight (exercises the untied path).
+PRESETS["tiny-untied"] = {**PRESETS["tiny"], "tie_word_embeddings": False}
+# --8<-- [end:presets]
+
+GENERATION_CONFIG: dict[str, Any] = {
+    "bos_token_id": ENDOFTEXT_ID,
+    "pad_token_id": ENDOFTEXT_ID,
+    "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+def preset_config(preset: str, dtype: str | torch.dtype | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The `config.json` contents of a preset.
+
+    Args:
+        preset: a key of `PRESETS`.
+        dtype: the weights' dtype (`"float32"`, `"bfloat16"`, ...); None keeps the preset's.
+        overrides: config fields to replace (e.g. `{"num_hidden_layers": 2}`).
+
+    Raises:
+        ValueError: for an unknown preset or dtype.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    config = json.loads(json.dumps(PRESETS[preset]))  # a deep copy
+    config.update(overrides or {})
+    if dtype is not None:
+        config["torch_dtype"] = str(resolve_dtype(dtype)).removeprefix("torch.")
+    return config
+
+
+# --8<-- [start:weight_shapes]
+def weight_shapes(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The (Hugging Face name, shape) of every tensor a Qwen3 checkpoint stores, in order.
+
+    Linear weights are `[out_features, in_features]`. Tied checkpoints store no
+    `lm_head.weight` (the embedding doubles as the output projection).
+    """
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config["head_dim"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], hidden)),
+    ]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.q_proj.weight", (q_dim, hidden)),
+            (f"{p}.self_attn.k_proj.weight", (kv_dim, hidden)),
+            (f"{p}.self_attn.v_proj.weight", (kv_dim, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, q_dim)),
+            (f"{p}.self_attn.q_norm.weight", (head_dim,)),  # per-head RMSNorm of q
+            (f"{p}.self_attn.k_norm.weight", (head_dim,)),  # per-head RMSNorm of k
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
+            (f"{p}.mlp.up_proj.weight", (inter, hidden)),
+            (f"{p}.mlp.down_proj.weight", (hidden, inter)),
+        ]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return shapes
+# --8<-- [end:weight_shapes]
+
+
+# --8<-- [start:random_weight]
+def random_weight(name: str, shape: tuple[int, ...], seed: int, hidden_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A deterministic random tensor for one parameter.
+
+    Each tensor has its own generator seeded from (seed, name), so a tensor's values do
+    not depend on which other tensors are written or in what order (shards can be
+    produced one at a time). The scales keep activations and logits well-behaved at any
+    size: norms are 1 + 0.1·N(0,1) so a missing norm changes the output; linear layers
+    are N(0,1)/sqrt(in_features) so activations keep unit scale through the stack; the
+    embedding and lm_head are N(0,1)·2.5/sqrt(hidden) so logits have a std of about 2.5
+    (neither flat nor one-hot).
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    values = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        values = 1.0 + 0.1 * values
+    elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+        values *= 2.5 / math.sqrt(hidden_size)
+    else:
+        values /= math.sqrt(shape[1])
+    return values.to(dtype)
+# --8<-- [end:random_weight]
+
+
+def _plan_shards(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int,
+                 max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Group tensors, in order, into shards of at most `max_shard_bytes` each.
+
+    A tensor larger than the limit gets a shard of its own.
+    """
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, shape))
+        used += nbytes
+    return shards
+
+
+def write_weights(out_dir: Path, config: Mapping[str, Any], seed: int,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write random safetensors weights for `config`, one shard in memory at a time.
+
+    One shard is saved as `model.safetensors`; more are saved as
+    `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json` mapping each
+    tensor name to its file, as Hugging Face does.
+
+    Returns:
+        The weight files written.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    dtype = resolve_dtype(config["torch_dtype"])
+    shapes = weight_shapes(config)
+    shards = _plan_shards(shapes, dtype.itemsize, max_shard_bytes)
+    for stale in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous write with another sharding
+
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        file = out_dir / ("model.safetensors" if len(shards) == 1
+                          else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        tensors = {name: random_weight(name, shape, seed, config["hidden_size"], dtype)
+                   for name, shape in shard}
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        del tensors  # only one shard's tensors are alive at a time
+        weight_map.update({name: file.name for name, _ in shard})
+        files.append(file)
+    if len(shards) > 1:
+        total = sum(math.prod(shape) for _, shape in shapes) * dtype.itemsize
+        _write_json(out_dir / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files
+
+
+def _added_tokens(tokenizer_json: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from sorted(tokenizer_json["added_tokens"], key=lambda t: t["id"])
+
+
+def write_tokenizer_files(out_dir: Path, model_max_length: int) -> None:
+    """Copy the shipped `tokenizer.json` and write a Qwen3-style `tokenizer_config.json`."""
+    tokenizer_json = json.loads(TOKENIZER_FILE.read_text(encoding="utf-8"))
+    shutil.copyfile(TOKENIZER_FILE, out_dir / "tokenizer.json")
+    added = {
+        str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip",
+                                         "single_word", "special")}
+        for t in _added_tokens(tokenizer_json)
+    }
+    _write_json(out_dir / "tokenizer_config.json", {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": _ADDITIONAL_SPECIAL_TOKENS,
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": model_max_length,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    })
+
+
+# --8<-- [start:make_model]
+def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
+               dtype: str | torch.dtype | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, weights: bool = True,
+               overrides: Mapping[str, Any] | None = None) -> Path:
+    """Write a Hugging Face-format Qwen3 checkpoint with random weights.
+
+    Args:
+        out_dir: the directory to write (created if needed; weight files already in it
+            are replaced).
+        preset: a key of `PRESETS` (`tiny`, `tiny-untied`, `qwen3-0.6b`, `qwen3-8b`).
+        seed: the weights are a deterministic function of (preset, seed, dtype).
+        dtype: the stored dtype; None keeps the preset's (float32 for the tiny presets,
+            bfloat16 for the real shapes).
+        max_shard_bytes: largest safetensors file; bigger checkpoints are sharded with a
+            `model.safetensors.index.json`.
+        weights: False writes only the config and tokenizer files (fast, for checking a
+            large preset's shapes without gigabytes of weights).
+        overrides: `config.json` fields to change (e.g. `{"num_hidden_layers": 2}`).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: for an unknown preset or dtype, or a non-positive shard size.
+    """
+    config = preset_config(preset, dtype, overrides)
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", GENERATION_CONFIG)
+    write_tokenizer_files(out, model_max_length=config["max_position_embeddings"])
+    if weights:
+        write_weights(out, config, seed, max_shard_bytes)
+    return out
+# --8<-- [end:make_model]
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model lives: `$MINI_VLLM_CACHE/default-tiny`
+    (or `~/.cache/mini-vllm/default-tiny`)."""
+    root = os.environ.get("MINI_VLLM_CACHE") or Path.home() / ".cache" / "mini-vllm"
+    return Path(root).expanduser() / "default-tiny"
+
+
+def _default_stamp() -> str:
+    """A fingerprint of everything the default model's files depend on."""
+    h = hashlib.sha256()
+    h.update(TOKENIZER_FILE.read_bytes())
+    h.update(CHAT_TEMPLATE_FILE.read_bytes())
+    h.update(json.dumps([PRESETS[DEFAULT_PRESET], GENERATION_CONFIG,
+                         _WEIGHTS_FORMAT_VERSION], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+_MISSING_MODEL_HINT = (
+    "make one with `mini-vllm make-model DIR --preset tiny`, or download a real one with "
+    "`huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./qwen3`"
+)
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """Turn a `--model` argument into a checkpoint directory.
+
+    Args:
+        model: a directory holding a Hugging Face Qwen3 checkpoint, or None for the
+            embedded default: the `tiny` preset (seed 0), written once into the cache
+            directory (see `default_model_dir`) and reused while the shipped tokenizer and
+            preset are unchanged.
+
+    Raises:
+        FileNotFoundError: when `model` is not a directory with a `config.json`.
+    """
+    if model is None:
+        return _ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        what = ("has no config.json" if path.is_dir()
+                else "is not a directory" if path.exists() else "does not exist")
+        raise FileNotFoundError(
+            f"model directory {str(model)!r} {what}: {_MISSING_MODEL_HINT}")
+    return path
+
+
+def _ensure_default_model() -> Path:
+    target = default_model_dir()
+    stamp = _default_stamp()
+    stamp_file = target / ".mini-vllm-stamp"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return target
+    # Write next to the target and rename, so a concurrent reader never sees half a model.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".default-tiny-", dir=target.parent))
+    try:
+        make_model(tmp, preset=DEFAULT_PRESET, seed=0)
+        (tmp / ".mini-vllm-stamp").write_text(stamp)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process installed it first; use theirs if it is complete.
+            if not (stamp_file.is_file() and stamp_file.read_text() == stamp):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "GENERATION_CONFIG",
+    "PRESETS",
+    "default_model_dir",
+    "make_model",
+    "preset_config",
+    "random_weight",
+    "resolve_model_dir",
+    "weight_shapes",
+    "write_tokenizer_files",
+    "write_weights",
+]
