@@ -1,0 +1,381 @@
+"""Qwen3 (dense) over a flat batch of tokens from many sequences.
+
+The model sees `T` tokens at once: no batch dimension, no padding. Which
+sequence each token belongs to, and what it may attend to, is carried by
+`positions` (for RoPE) and `AttentionMetadata` (for the paged KV cache), so
+the same forward serves a prefill, a decode step or any mix of them.
+
+Module and parameter names follow Hugging Face's `Qwen3ForCausalLM`, except
+that the q/k/v projections are fused into `qkv_proj` and gate/up into
+`gate_up_proj` (one matmul instead of three or two); `packed_modules_mapping`
+tells the loader which checkpoint tensors fill which rows of a fused weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mini_vllm.attention import Attention, AttentionBackend, AttentionMetadata, KVCache
+from mini_vllm.config import ModelConfig
+
+
+# --8<-- [start:linear]
+class Linear(nn.Module):
+    """`y = x @ W.T` without bias, whose output may be several projections stacked.
+
+    `output_sizes` lists the row counts of the stacked projections: a fused
+    q/k/v projection has `[q_size, kv_size, kv_size]`. The weight is left
+    uninitialised: every parameter is filled by the loader, which fails
+    loudly if one is missing.
+
+    Args:
+        input_size: features in.
+        output_sizes: rows of each stacked projection.
+        device: where to allocate the weight.
+        dtype: the weight's dtype.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.output_sizes = list(output_sizes)
+        self.weight = nn.Parameter(
+            torch.empty(sum(output_sizes), input_size, device=device, dtype=dtype),
+            requires_grad=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+# --8<-- [end:linear]
+
+
+class VocabEmbedding(nn.Module):
+    """Token id -> row of a `[vocab_size, hidden_size]` table (left uninitialised)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype),
+            requires_grad=False,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+# --8<-- [start:rmsnorm]
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: `x / sqrt(mean(x^2) + eps) * weight`, over the last dim.
+
+    Computed in float32 and cast back, as Hugging Face does, so bfloat16
+    runs match it.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(dim, device=device, dtype=dtype), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+# --8<-- [end:rmsnorm]
+
+
+# --8<-- [start:rope]
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "neox" style (rotate the two halves of a head).
+
+    For head size `D`, pair `(x[i], x[i + D/2])` of a head at position `p`
+    is rotated by angle `p * theta^(-2i/D)`:
+
+        x[:D/2]' = x[:D/2] * cos - x[D/2:] * sin
+        x[D/2:]' = x[D/2:] * cos + x[:D/2] * sin
+
+    cos/sin are precomputed in float32 for every position once, so a step
+    only gathers the rows of its `positions` (once, for all layers).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        )  # [D/2]
+        t = torch.arange(max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, D]
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the tokens' `positions [T]`, each `[T, 1, D/2]` (1 broadcasts over heads)."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the heads `x [T, H, D]` by `cos, sin [T, 1, D/2]`."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+# --8<-- [end:rope]
+
+
+# --8<-- [start:attention]
+class Qwen3Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k.
+
+    Data flow for `T` tokens (`Hq` query heads, `Hkv` KV heads, head size `D`):
+
+        x [T, hidden] -> qkv_proj -> [T, (Hq + 2*Hkv) * D] -> split q | k | v
+        q [T, Hq, D]  -> q_norm -> RoPE --+
+        k [T, Hkv, D] -> k_norm -> RoPE --+--> Attention: write k, v to the cache,
+        v [T, Hkv, D] --------------------+    attend over it -> [T, Hq, D]
+        [T, Hq * D] -> o_proj -> [T, hidden]
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], device, dtype
+        )
+        self.o_proj = Linear(self.q_size, [config.hidden_size], device, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+        )
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # The norms act on each head separately, before RoPE.
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))  # [T, Hq, D]
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        cos, sin = rope
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+# --8<-- [end:attention]
+
+
+# --8<-- [start:mlp]
+class Qwen3MLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, with gate and up fused into one matmul."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], device, dtype)
+        self.down_proj = Linear(inter, [config.hidden_size], device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+# --8<-- [end:mlp]
+
+
+# --8<-- [start:decoder_layer]
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `h + mlp(norm(h))`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, backend, device, dtype)
+        self.mlp = Qwen3MLP(config, device, dtype)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_states: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = hidden_states + self.self_attn(
+            rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata
+        )
+        return h + self.mlp(self.post_attention_layernorm(h))
+# --8<-- [end:decoder_layer]
+
+
+class Qwen3Model(nn.Module):
+    """Embeddings, the decoder layers and the final norm (no LM head)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, device, dtype)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, backend, device, dtype)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        # One cos/sin table shared by every layer.
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, h.dtype)  # gathered once, used by every layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(rope, h, kv_cache, attn_metadata)
+        return self.norm(h)
+
+
+# --8<-- [start:causal_lm]
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 with its language-model head.
+
+    Args:
+        config: the checkpoint's shape.
+        attn_backend: how attention reads and writes the KV cache (the torch
+            reference when None).
+        device: where to allocate the weights (uninitialised until loaded).
+        dtype: the weights' dtype.
+    """
+
+    # --8<-- [start:packed]
+    # Fused module -> the checkpoint modules stacked in its rows, in order.
+    packed_modules_mapping: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    })
+    # --8<-- [end:packed]
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config, attn_backend, device, dtype)
+        tied = config.tie_word_embeddings
+        self.lm_head = Linear(
+            config.hidden_size, [config.vocab_size], "meta" if tied else device, dtype
+        )
+        if tied:
+            # One tensor under two names; `named_parameters()` lists it once,
+            # as `model.embed_tokens.weight`, so the loader never asks for lm_head.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch.
+
+        Args:
+            input_ids: `[T]` token ids of the step's new tokens, sequence after sequence.
+            positions: `[T]` each token's position in its own sequence.
+            kv_caches: per layer `(k_cache, v_cache)`, each
+                `[num_blocks, block_size, num_kv_heads, head_dim]`.
+            attn_metadata: where the new K/V go and what each token attends to.
+
+        Returns:
+            `[T, hidden_size]` final hidden states (after the last norm).
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Project `[N, hidden_size]` hidden states to `[N, vocab_size]` float32 logits."""
+        return self.lm_head(hidden_states).float()
+# --8<-- [end:causal_lm]
+
+
+__all__ = [
+    "Linear",
+    "Qwen3Attention",
+    "Qwen3DecoderLayer",
+    "Qwen3ForCausalLM",
+    "Qwen3MLP",
+    "Qwen3Model",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "VocabEmbedding",
+    "apply_rotary_emb",
+]
