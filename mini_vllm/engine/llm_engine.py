@@ -1,0 +1,413 @@
+"""`LLMEngine`: the synchronous step loop that ties every phase together.
+
+One call of `step()` is one iteration of continuous batching:
+
+```
+Scheduler.schedule()          which requests run, how many new tokens each (phase 4)
+  └─► ModelRunner.execute()   one flat batch through Qwen3 over the paged cache (phases 2-3)
+        └─► Sampler()         one token per request that finished its prompt (phase 5)
+              └─► .tolist()   the step's one host synchronisation
+                    └─► detokenize + stop checks ─► RequestOutput deltas (phases 1, 5)
+```
+
+A request with `n > 1` becomes `n` child requests (`"<id>#<i>"`) that share
+the prompt's cached blocks; their outputs are gathered back under the
+parent's id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.kv_cache import KVCacheManager
+from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, make_generator
+from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.scheduler import Scheduler
+from mini_vllm.sequence import Request, RequestStatus
+from mini_vllm.stop_checker import StopChecker
+from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STATUS_OF_REASON = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request, ready for the engine thread (built off-thread)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+# --8<-- [start:state]
+@dataclass
+class _Completion:
+    """Engine-side state of one child request (one of the `n` completions)."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    generator: torch.Generator | None
+    # What is new since the last output of this completion.
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    reported_finish: bool = False
+
+    def take_delta(self) -> CompletionOutput:
+        out = CompletionOutput(self.index, self.text, self.token_ids, self.logprobs,
+                               self.finish_reason, self.stop_reason)
+        self.text, self.token_ids = "", []
+        self.logprobs = [] if self.logprobs is not None else None
+        self.reported_finish = self.finish_reason is not None
+        return out
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its `n` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    arrival_time: float
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+# --8<-- [end:state]
+
+
+def load_generation_config(model_dir: str | Path) -> dict:
+    """The checkpoint's `generation_config.json`, or `{}` when it has none."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+class LLMEngine:
+    """Scheduler + model runner + sampler + detokenizer, one `step()` at a time.
+
+    Not thread-safe: one thread drives it (`LLM` directly, `AsyncLLM` from its
+    engine thread).
+
+    Args:
+        engine_config: the resolved configuration.
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.config = engine_config
+        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path)
+        self.generation_config = load_generation_config(engine_config.model)
+        self.eos_token_ids = list(self.tokenizer.eos_token_ids)
+        self.model_runner = ModelRunner(engine_config)
+        self.vocab_size = engine_config.model_config.vocab_size
+        self.max_model_len = engine_config.scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.model_runner.num_blocks,
+            block_size=engine_config.cache_config.block_size,
+            enable_caching=engine_config.cache_config.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_manager)
+        self.sampler = Sampler()
+        self._groups: dict[str, _Group] = {}
+        self._children: dict[str, tuple[_Group, _Completion]] = {}
+        self.stats = {"num_requests_finished": 0, "prompt_tokens_total": 0,
+                      "generation_tokens_total": 0, "num_requests_failed": 0}
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # --8<-- [start:process_inputs]
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Tokenize and validate a request (thread-safe: touches no engine state).
+
+        Raises:
+            ValueError: with a message naming what is wrong (empty prompt,
+                token id outside the vocabulary, prompt or prompt + max_tokens
+                longer than max_model_len, bad sampling value).
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
+            prompt = list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n_prompt} tokens do not fit the model's context length "
+                f"({self.max_model_len}), which must also hold at least one output token"
+            )
+        params = params.with_defaults(self.generation_config)
+        room = self.max_model_len - n_prompt
+        if params.max_tokens is None:
+            params = params.replace(max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: {n_prompt} prompt tokens + max_tokens {params.max_tokens} = "
+                f"{n_prompt + params.max_tokens} is more than the model's context length "
+                f"({self.max_model_len})"
+            )
+        return ProcessedRequest(request_id, text, token_ids, params, priority,
+                                time.monotonic() if arrival_time is None else arrival_time)
+    # --8<-- [end:process_inputs]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate a request and queue it (see `process_inputs` for the errors)."""
+        self.add_processed_request(
+            self.process_inputs(request_id, prompt, params, priority, arrival_time)
+        )
+
+    # --8<-- [start:add_request]
+    def add_processed_request(self, req: ProcessedRequest) -> None:
+        """Queue a request that `process_inputs` validated.
+
+        Raises:
+            ValueError: if the id is in use or the request can never fit the cache.
+        """
+        if req.request_id in self._groups:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        n = req.params.n
+        group = _Group(req.request_id, req.prompt, req.prompt_token_ids, [], req.arrival_time)
+        for i in range(n):
+            child_id = req.request_id if n == 1 else f"{req.request_id}#{i}"
+            # Each completion of a seeded request gets its own, reproducible stream.
+            seed = None if req.params.seed is None else req.params.seed + i
+            request = Request(child_id, req.prompt_token_ids, req.params, req.arrival_time,
+                              priority=req.priority, eos_token_ids=self.eos_token_ids,
+                              parent_id=req.request_id if n > 1 else None)
+            group.completions.append(_Completion(
+                index=i,
+                request=request,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
+                stop_checker=StopChecker(req.params, self.eos_token_ids),
+                generator=None if seed is None else make_generator(seed, self.model_runner.device),
+                logprobs=[] if req.params.logprobs is not None else None,
+            ))
+        added: list[str] = []
+        try:
+            for c in group.completions:
+                self.scheduler.add_request(c.request)
+                added.append(c.request.request_id)
+        except ValueError:
+            self.scheduler.abort_requests(added)
+            raise
+        self._groups[req.request_id] = group
+        for c in group.completions:
+            self._children[c.request.request_id] = (group, c)
+    # --8<-- [end:add_request]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # --8<-- [start:step]
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return a delta for each request that progressed."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        entries = [
+            BatchEntry(token_ids=s.token_ids, start_pos=s.start_pos,
+                       block_table=s.block_table, sample=s.sample)
+            for s in sched.scheduled
+        ]
+        sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
+        try:
+            logits = self.model_runner.execute(entries)  # [len(sampling), V]
+            if not sampling:  # only prompt chunks that are not the last: nothing to sample
+                return []
+            metadata = SamplingMetadata.build(
+                [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
+                  c.request.output_token_ids) for _, c in sampling],
+                device=logits.device, vocab_size=self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+            )
+            sampled = self.sampler(logits, metadata)
+            token_ids = sampled.sampled_token_ids.tolist()  # the step's host sync
+        except Exception as e:
+            logger.exception("engine step failed")
+            return self._fail([s.request.request_id for s in sched.scheduled], repr(e))
+
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        logprobs = _LogprobRows(sampled) if sampled.logprobs is not None else None
+        for row, ((group, c), token_id) in enumerate(zip(sampling, token_ids)):
+            if group.first_token_time is None:
+                group.first_token_time = now
+            self._append_token(c, token_id, logprobs, row)
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+    # --8<-- [end:step]
+
+    # --8<-- [start:append_token]
+    def _append_token(
+        self, c: _Completion, token_id: int, logprobs: _LogprobRows | None, row: int
+    ) -> None:
+        """Record a sampled token: detokenize, check stops, finish the request if done."""
+        req = c.request
+        req.append_output_token(token_id)
+        self.stats["generation_tokens_total"] += 1
+        piece = c.detokenizer.add_token(token_id)
+        result = c.stop_checker.process(token_id, piece, req.num_output_tokens)
+        c.text += result.emit_text
+        c.token_ids.append(token_id)
+        if c.logprobs is not None and logprobs is not None:
+            c.logprobs.append(logprobs.row(row, req.sampling_params.logprobs, self.tokenizer))
+        if result.finish_reason is None and req.num_tokens >= self.max_model_len:
+            result = c.stop_checker.finish("length")  # the context is full
+            c.text += result.emit_text
+        if result.finish_reason is not None:
+            if not isinstance(result.stop_reason, str):
+                # Bytes of a character the generation stopped in the middle of.
+                c.text += c.detokenizer.flush()
+            c.finish_reason, c.stop_reason = result.finish_reason, result.stop_reason
+            self.scheduler.finish_request(req.request_id, _STATUS_OF_REASON[c.finish_reason])
+    # --8<-- [end:append_token]
+
+    # --8<-- [start:make_output]
+    def _make_output(self, group: _Group) -> RequestOutput:
+        deltas = [c.take_delta() for c in group.completions
+                  if c.token_ids or c.text or (c.finish_reason and not c.reported_finish)]
+        finished = group.finished
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        cached = max(c.request.num_cached_tokens for c in group.completions)
+        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, deltas,
+                            finished, num_cached_tokens=cached, error=group.error,
+                            metrics=metrics)
+        if finished:
+            metrics["finished_time"] = time.monotonic()
+            self._forget(group)
+            self.stats["num_requests_finished"] += 1
+            self.stats["prompt_tokens_total"] += len(group.prompt_token_ids)
+        return out
+    # --8<-- [end:make_output]
+
+    def _forget(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for c in group.completions:
+            self._children.pop(c.request.request_id, None)
+
+    # --8<-- [start:abort]
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests (by the ids given to `add_request`) wherever they are.
+
+        Returns:
+            Their final outputs, with finish_reason "abort".
+        """
+        outputs = []
+        for rid in request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            live = [c for c in group.completions if c.finish_reason is None]
+            self.scheduler.abort_requests([c.request.request_id for c in live])
+            for c in live:
+                c.text += c.stop_checker.finish("abort").emit_text
+                c.finish_reason = "abort"
+            outputs.append(self._make_output(group))
+        return outputs
+    # --8<-- [end:abort]
+
+    # --8<-- [start:fail]
+    def _fail(self, child_ids: list[str], error: str) -> list[RequestOutput]:
+        groups = {self._children[cid][0].request_id: self._children[cid][0] for cid in child_ids}
+        outputs = []
+        for group in groups.values():
+            for c in group.completions:
+                if c.finish_reason is None:
+                    # FINISHED_ERROR also drops the prefix cache: blocks this
+                    # step filled may hold garbage.
+                    self.scheduler.finish_request(c.request.request_id,
+                                                  RequestStatus.FINISHED_ERROR)
+            for c in group.completions:
+                c.finish_reason = c.finish_reason or "error"
+            group.error = f"the engine failed while computing this request: {error}"
+            self.stats["num_requests_failed"] += 1
+            outputs.append(self._make_output(group))
+        return outputs
+    # --8<-- [end:fail]
+
+    def get_stats(self) -> dict:
+        """Scheduler and KV-cache statistics plus token counters, JSON-friendly."""
+        stats = dict(vars(self.scheduler.get_stats()))
+        stats.update(self.stats)
+        return stats
+
+
+class _LogprobRows:
+    """The sampler's logprob tensors on the host, read row by row."""
+
+    def __init__(self, out: SamplerOutput) -> None:
+        self.ids = out.logprobs_token_ids.tolist()
+        self.values = out.logprobs.tolist()
+        self.ranks = out.ranks.tolist()
+
+    def row(self, i: int, n: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
+        """The sampled token's logprob and the top `n`, as `{token_id: Logprob}`."""
+        ids, values = self.ids[i], self.values[i]
+        entry = {ids[0]: Logprob(values[0], self.ranks[i], tokenizer.decode([ids[0]]))}
+        for rank, (tid, lp) in enumerate(zip(ids[1:1 + n], values[1:1 + n]), start=1):
+            entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
+        return entry
+
+
+__all__ = ["LLMEngine", "ProcessedRequest", "load_generation_config"]

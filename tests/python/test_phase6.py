@@ -1,0 +1,264 @@
+"""Phase 6: the engine thread, async streams, aborts, failures and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from mini_vllm import LLM, SamplingParams
+from mini_vllm.config import EngineArgs
+from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+
+pytestmark = pytest.mark.phase6
+
+ENGINE_ARGS = dict(num_gpu_blocks_override=128, max_num_seqs=16, max_model_len=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), **ENGINE_ARGS)
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """Twelve requests with different parameters (greedy and seeded random)."""
+    params = []
+    for i in range(12):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=8 + i))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=10))
+        else:
+            params.append(SamplingParams(temperature=1.2, top_p=0.8, seed=i, max_tokens=6,
+                                         presence_penalty=0.5, ignore_eos=True))
+    return params
+
+
+PROMPTS = [f"Request number {i}: tell me about the number {i * 7}." for i in range(12)]
+
+
+async def _collect(engine: AsyncLLM, prompt, params, request_id=None):
+    """Consume a stream; return (token ids, text, finish reason, number of chunks)."""
+    ids, text, finish, chunks = [], "", None, 0
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        chunks += 1
+        for c in out.outputs:
+            ids += c.token_ids
+            text += c.text
+            finish = c.finish_reason or finish
+    return ids, text, finish, chunks
+
+
+def _free_blocks_are_all(engine: AsyncLLM) -> bool:
+    mgr = engine.engine.kv_cache_manager
+    return mgr.num_free_blocks == mgr.num_blocks  # (block 0, the padding block, is not counted)
+
+
+async def _wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_requests_match_offline_results(engine, offline):
+    params = _mixed_params()
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*[
+            _collect(engine, p, sp, request_id=f"c{i}")
+            for i, (p, sp) in enumerate(zip(PROMPTS, params))
+        ])
+
+    results = asyncio.run(main())
+    for (ids, text, finish, _), exp in zip(results, expected):
+        assert ids == exp.outputs[0].token_ids
+        assert text == exp.outputs[0].text
+        assert finish == exp.outputs[0].finish_reason
+
+
+def test_stream_is_incremental_and_ends_once(engine):
+    async def main():
+        outs = [o async for o in engine.generate(
+            "stream me", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+        return outs
+
+    outs = asyncio.run(main())
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    assert sum(len(o.outputs[0].token_ids) for o in outs if o.outputs) == 12
+    finishes = [c.finish_reason for o in outs for c in o.outputs if c.finish_reason]
+    assert finishes == ["length"]
+
+
+def test_requests_from_several_threads_and_loops(engine, offline):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = offline.generate(PROMPTS[:4], params, use_tqdm=False)
+    results: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:  # each thread runs its own event loop
+        results[i] = asyncio.run(_collect(engine, PROMPTS[i], params))[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [results[i] for i in range(4)] == [e.outputs[0].token_ids for e in expected]
+
+
+def test_n_completions_share_one_stream(engine, offline):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6)
+    expected = offline.generate("several answers", params, use_tqdm=False)[0]
+
+    async def main():
+        got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        async for out in engine.generate("several answers", params):
+            for c in out.outputs:
+                got[c.index] += c.token_ids
+        return got
+
+    got = asyncio.run(main())
+    assert [got[i] for i in range(3)] == [c.token_ids for c in expected.outputs]
+
+
+def test_abort_running_request_frees_every_block(engine):
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        gen = engine.generate("x " * 40, params, request_id="to-abort")
+        first = await gen.__anext__()
+        assert not first.finished
+        await engine.abort("to-abort")
+        rest = [o async for o in gen]
+        assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+        await _wait_until(lambda: _free_blocks_are_all(engine))
+
+    asyncio.run(main())
+    assert engine.get_stats()["num_running"] == 0
+
+
+def test_cancelled_consumer_aborts_its_request(engine):
+    """A client that goes away: cancelling the consuming task aborts the request."""
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+        async def consume():
+            async for _ in engine.generate("y " * 30, params):
+                pass
+
+        tasks = [asyncio.create_task(consume()) for _ in range(5)]
+        await _wait_until(lambda: engine.get_stats()["num_running"] == 5)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _wait_until(lambda: engine.get_stats()["num_running"] == 0
+                          and engine.get_stats()["num_waiting"] == 0)
+        await _wait_until(lambda: _free_blocks_are_all(engine))
+        # ... and a new request completes promptly.
+        ids, *_ = await asyncio.wait_for(
+            _collect(engine, "after", SamplingParams(temperature=0, max_tokens=4)), 10)
+        assert len(ids) >= 1
+
+    asyncio.run(main())
+
+
+def test_invalid_request_raises_before_output_and_engine_keeps_serving(engine):
+    async def main():
+        with pytest.raises(ValueError, match="vocabulary"):
+            await _collect(engine, [10**9], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="empty"):
+            await _collect(engine, [], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="context length"):
+            await _collect(engine, "hi", SamplingParams(max_tokens=10_000))
+        ids, *_ = await _collect(engine, "still here", SamplingParams(temperature=0, max_tokens=3))
+        assert len(ids) == 3
+
+    asyncio.run(main())
+    assert engine.is_running
+
+
+def test_idle_engine_thread_blocks_instead_of_polling(engine):
+    """With nothing to do the engine thread sleeps in a blocking get: no CPU burnt."""
+    time.sleep(0.2)
+    start = time.thread_time()  # this thread's CPU time; the engine thread is separate
+    cpu0 = time.process_time()
+    time.sleep(1.0)
+    busy = (time.process_time() - cpu0) - (time.thread_time() - start)
+    assert busy < 0.1, f"the idle engine used {busy:.2f} s of CPU in 1 s"
+
+
+def test_step_failure_fails_its_requests_and_engine_keeps_serving(tiny_model_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+    runner = llm.engine.model_runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(entries):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return real_execute(entries)
+
+    runner.execute = flaky
+    try:
+        async def main():
+            with pytest.raises(RequestFailedError, match="injected failure"):
+                await _collect(llm, "doomed", SamplingParams(temperature=0, max_tokens=4))
+            ids, *_ = await _collect(llm, "fine", SamplingParams(temperature=0, max_tokens=4))
+            return ids
+
+        assert len(asyncio.run(main())) == 4
+        assert llm.is_running and not llm.errored
+        mgr = llm.engine.kv_cache_manager
+        assert mgr.num_free_blocks == mgr.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_fatal_error_turns_engine_dead_and_callers_get_an_error(tiny_model_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+
+    def broken_schedule():
+        raise RuntimeError("scheduler bug")
+
+    llm.engine.scheduler.schedule = broken_schedule
+    try:
+        async def main():
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(
+                    _collect(llm, "a", SamplingParams(max_tokens=4)), 10)
+            with pytest.raises(EngineDeadError):
+                await _collect(llm, "b", SamplingParams(max_tokens=4))
+
+        asyncio.run(main())
+        assert llm.errored and not llm.is_running
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_ends_requests_in_flight(tiny_model_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+        tasks = [asyncio.create_task(_collect(llm, f"long {i}", params)) for i in range(3)]
+        await _wait_until(lambda: llm.get_stats()["num_running"] == 3)
+        await asyncio.to_thread(llm.shutdown)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert [r[2] for r in results] == ["abort"] * 3
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "after shutdown", params)
+
+    asyncio.run(main())
+    assert not llm.is_running
