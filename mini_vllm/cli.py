@@ -1,0 +1,333 @@
+"""The `mini-vllm` command line (also `python -m mini_vllm`).
+
+```
+mini-vllm [serve] --model DIR [engine flags] [--host --port ...]   OpenAI-compatible server
+mini-vllm chat --model DIR                                         chat in the terminal
+mini-vllm generate --model DIR --prompt TEXT                       print one completion
+mini-vllm make-model DIR --preset tiny                             write a random-weight Qwen3
+```
+
+Engine flags are made from `EngineArgs`' fields, named as vLLM names them
+(`max_num_seqs` is `--max-num-seqs`). Without `--model` a command uses the
+embedded default: the tiny preset, written once into a cache directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mini_vllm
+from mini_vllm.checkpoint import make_model
+from mini_vllm.config import EngineArgs
+from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
+from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("mini_vllm")
+
+# One help line per `EngineArgs` field; a field without an entry still gets a flag.
+_ENGINE_ARG_HELP: dict[str, str] = {
+    "model": "checkpoint directory (Hugging Face Qwen3 format); default: the embedded tiny "
+             "random-weight model",
+    "tokenizer": "tokenizer directory, if not the model's",
+    "dtype": "weights and activations dtype: auto (bfloat16 on a GPU, float32 on the CPU), "
+             "float32, bfloat16 or float16",
+    "device": "auto, cpu, cuda or cuda:N",
+    "seed": "seed of the engine's random state",
+    "block_size": "tokens per KV-cache block",
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's "
+                     "max_position_embeddings (at most 4096 on the CPU)",
+    "max_num_seqs": "most requests in the running batch",
+    "max_num_batched_tokens": "token budget of one engine step (prefill + decode)",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use in all",
+    "cpu_kv_cache_gb": "KV-cache size on the CPU, in GiB",
+    "num_gpu_blocks_override": "a fixed number of KV-cache blocks (any device)",
+    "enforce_eager": "never capture CUDA graphs",
+    "tensor_parallel_size": "GPUs to shard the model over (only 1 is supported)",
+    "served_model_name": "the model name clients send as `model` (default: --model)",
+    "load_format": "auto reads the checkpoint's weights; dummy fills them with random values "
+                   "(for benchmarks of a directory without weights)",
+}
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_CHOICES = {"dtype": _DTYPES, "load_format": ("auto", "dummy")}
+
+
+class UsageError(Exception):
+    """A problem the user can fix: printed as one line, exit status 2."""
+
+
+# --8<-- [start:engine_flags]
+def add_engine_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    """Add one flag per `EngineArgs` field (`--max-num-seqs` for `max_num_seqs` ...)."""
+    group = parser.add_argument_group("engine")
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        # Annotations are strings here (`from __future__ import annotations`): "int | None".
+        kind = _TYPES[str(f.type).split("|")[0].strip()]
+        default = getattr(defaults, f.name)
+        help_text = _ENGINE_ARG_HELP.get(f.name, f"engine argument {f.name}")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=default, help=help_text,
+                               choices=_CHOICES.get(f.name))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The `EngineArgs` a parsed command line asks for."""
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()
+                         if hasattr(ns, name)})
+# --8<-- [end:engine_flags]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mini-vllm",
+        description="A vLLM-style inference engine for Qwen3. Without a command, `serve`.")
+    parser.add_argument("--version", action="version", version=f"mini-vllm {mini_vllm.__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (the default)",
+                           description="Serve an OpenAI-compatible API over HTTP.")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"), help="logging level")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="do not log one line per HTTP request")
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal",
+                          description="Chat in the terminal. /reset starts over, /exit or "
+                                      "Ctrl-D quits; Ctrl-C stops a reply.")
+    add_engine_args(chat, skip=("served_model_name",))
+    _add_sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="a system message to start with")
+    chat.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True,
+                      help="let Qwen3 think (<think>...</think>) before answering")
+
+    gen = sub.add_parser("generate", help="print one completion of a prompt",
+                         description="Complete one prompt and print the text as it comes.")
+    add_engine_args(gen, skip=("served_model_name",))
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    _add_sampling_args(gen, max_tokens=64)
+
+    make = sub.add_parser("make-model", help="write a Qwen3 checkpoint with random weights",
+                          description="Write a Hugging Face-format Qwen3 directory with "
+                                      "random weights and the shipped tokenizer.")
+    make.add_argument("out_dir", help="directory to write")
+    make.add_argument("--preset", default="tiny",
+                      help="tiny, tiny-untied, qwen3-0.6b or qwen3-8b")
+    make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    make.add_argument("--dtype", default=None, choices=_DTYPES[1:],
+                      help="stored dtype (default: the preset's)")
+    return parser
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help="most tokens to generate")
+    group.add_argument("--temperature", type=float, default=None,
+                       help="0 = greedy (default: the model's generation config)")
+    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=None, help="sample among the top k tokens")
+    group.add_argument("--sampling-seed", type=int, default=None,
+                       help="seed of this request's sampling")
+
+
+def _sampling_params(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, seed=ns.sampling_seed)
+
+
+def _setup_logging(level: int) -> None:
+    """Send the engine's log lines (KV-cache size ...) to stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def _load_engine(ns: argparse.Namespace, cls: type[LLMEngine | AsyncLLM]) -> Any:
+    """Build an engine (`LLMEngine` or `AsyncLLM`); a bad model or flag is a UsageError."""
+    try:
+        return cls(engine_args_from(ns).create_engine_config())
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"cannot load the model: {e}") from None
+
+
+# --8<-- [start:serve]
+def cmd_serve(ns: argparse.Namespace) -> int:
+    _setup_logging(getattr(logging, ns.log_level.upper()))
+    ns.served_model_name = ns.served_model_name or ns.model
+    engine = _load_engine(ns, AsyncLLM)
+    app = build_app(engine)
+    config = engine.engine_config
+    model_name = app.state.model_name
+    base = f"http://{ns.host}:{ns.port}"
+    example = json.dumps({"model": model_name, "max_tokens": 32,
+                          "messages": [{"role": "user", "content": "Hello!"}]})
+    print(f"mini-vllm {mini_vllm.__version__}\n"
+          f"  model    {config.model}\n"
+          f"  dtype    {str(config.dtype).removeprefix('torch.')}   device {config.device}   "
+          f"max_model_len {config.scheduler_config.max_model_len}\n"
+          f"  serving  {model_name!r} at {base}/v1 (OpenAI API; /health /metrics /stats)\n"
+          f"Try:\n"
+          f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{example}'",
+          flush=True)
+    server = make_server(app, ns.host, ns.port, log_level=ns.log_level,
+                         access_log=not ns.disable_uvicorn_access_log)
+    # uvicorn re-raises the signal that stopped it once it has shut down
+    # cleanly; make SIGTERM end like Ctrl-C (a KeyboardInterrupt, caught below).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0
+# --8<-- [end:serve]
+
+
+# --8<-- [start:stream_text]
+def stream_text(engine: LLMEngine, prompt: str | list[int],
+                params: SamplingParams) -> Iterator[str]:
+    """Run one request on a synchronous `LLMEngine`, yielding its text as it comes.
+
+    Raises:
+        ValueError: the engine refused the request (e.g. too long).
+        RequestFailedError: the engine failed while computing it.
+        KeyboardInterrupt: Ctrl-C; the request is aborted first.
+    """
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.error is not None:
+                    raise RequestFailedError(output.error)
+                for completion in output.outputs:
+                    if completion.text:
+                        yield completion.text
+    finally:
+        if engine.has_unfinished_requests():
+            engine.abort_request([request_id])
+# --8<-- [end:stream_text]
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    _setup_logging(logging.WARNING)
+    engine = _load_engine(ns, LLMEngine)
+    try:
+        params = _sampling_params(ns)
+        for piece in stream_text(engine, ns.prompt, params):
+            print(piece, end="", flush=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RequestFailedError as e:
+        print(f"\nmini-vllm: error: {e}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+# --8<-- [start:chat]
+def cmd_chat(ns: argparse.Namespace) -> int:
+    _setup_logging(logging.WARNING)
+    engine = _load_engine(ns, LLMEngine)
+    try:
+        params = _sampling_params(ns)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    start = [{"role": "system", "content": ns.system}] if ns.system else []
+    messages = list(start)
+    print(f"Chatting with {engine.config.model}. /reset starts over, /exit or Ctrl-D quits.",
+          flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            print("(conversation cleared)", flush=True)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True,
+            enable_thinking=ns.enable_thinking)
+        reply: list[str] = []
+        try:
+            for piece in stream_text(engine, prompt, params):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" (stopped)", end="")
+        except (ValueError, RequestFailedError) as e:  # e.g. the chat outgrew the context
+            messages.pop()
+            print(f"error: {e}. /reset to start over.", flush=True)
+            continue
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+# --8<-- [end:chat]
+
+
+def cmd_make_model(ns: argparse.Namespace) -> int:
+    try:
+        out = make_model(ns.out_dir, preset=ns.preset, seed=ns.seed, dtype=ns.dtype)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {out} (preset {ns.preset}, seed {ns.seed})")
+    return 0
+
+
+_HANDLERS = {"serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate,
+             "make-model": cmd_make_model}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0] not in _HANDLERS and args[0] not in ("-h", "--help", "--version")):
+        args.insert(0, "serve")  # `mini-vllm --model DIR` serves
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    try:
+        return _HANDLERS[ns.command](ns)
+    except UsageError as e:
+        print(f"mini-vllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["add_engine_args", "build_parser", "engine_args_from", "main", "stream_text"]

@@ -1,0 +1,316 @@
+"""The OpenAI wire format: pydantic models of requests, responses and errors.
+
+Requests accept and ignore fields they do not know (benchmark clients send
+`best_of`, `suffix`, `tools` ...). Sampling fields a request leaves out stay
+`None` so that the engine (`SamplingParams.with_defaults`) fills them from the
+model's `generation_config.json`, exactly as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from mini_vllm.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    """A fresh response id such as `cmpl-3f2a...` or `chatcmpl-...`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of every request: unknown fields are accepted and dropped."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+# --8<-- [start:sampling_fields]
+class SamplingRequest(OpenAIBaseModel):
+    """The fields completions and chat share, and their mapping to `SamplingParams`.
+
+    `None` means "not given": the model's generation config decides, else the
+    OpenAI default (see `SamplingParams.with_defaults`).
+    """
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's `SamplingParams` for this request.
+
+        Fields left `None` stay unset: the engine fills them from the model's
+        generation config (`SamplingParams.with_defaults`), and a `max_tokens`
+        of `None` lets the output run up to the context length.
+
+        Raises:
+            ValueError: for out-of-range values (the message names the field).
+        """
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+# --8<-- [end:sampling_fields]
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`.
+
+    `prompt` is a string, a list of strings, a list of token ids or a list of
+    token-id lists; every prompt gets `n` choices, numbered prompt-major
+    (choice `i * n + j` is completion `j` of prompt `i`), as in vLLM.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # null: up to the context length
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (each a string or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message of a conversation; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`.
+
+    `max_completion_tokens` wins over the older `max_tokens`; when both are
+    left out a reply may run up to the context length.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs can only be set when logprobs is true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """Completions-style logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProb(TopLogprob):
+    """Chat-style logprob of one token, with its `top_logprobs` alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProb] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """What a chunk adds to a message; fields left at `None` are not sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _drop_none(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mini-vllm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
