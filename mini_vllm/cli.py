@@ -178,10 +178,15 @@ def _load_engine(ns: argparse.Namespace, cls: type[LLMEngine | AsyncLLM]) -> Any
         raise UsageError(f"cannot load the model: {e}") from None
 
 
+DEFAULT_SERVED_NAME = "mini-vllm-tiny"
+
+
 # --8<-- [start:serve]
 def cmd_serve(ns: argparse.Namespace) -> int:
     _setup_logging(getattr(logging, ns.log_level.upper()))
-    ns.served_model_name = ns.served_model_name or ns.model
+    # Like vLLM, clients name the model as --model was given; the embedded default
+    # model gets a short name instead of its cache path.
+    ns.served_model_name = ns.served_model_name or ns.model or DEFAULT_SERVED_NAME
     engine = _load_engine(ns, AsyncLLM)
     app = build_app(engine)
     config = engine.engine_config
