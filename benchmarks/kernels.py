@@ -1,0 +1,572 @@
+"""Paged decode attention: achieved bandwidth against the copy bandwidth and torch's paths.
+
+For each shape (batch x context, block size, query / KV heads, head_dim 128,
+bf16) it times
+
+* ``ours``: ``mini_vllm.ops.paged_decode_attention`` (version 5 unless told),
+* ``gather_sdpa``: gather the paged K/V into a padded batch, then
+  ``scaled_dot_product_attention`` (a paged path in plain PyTorch),
+* ``sdpa_contig``: SDPA over K/V stored contiguously (not paged: the cost of
+  attention without the paging),
+* ``flex_contig``: compiled FlexAttention over the contiguous K/V (on a subset
+  of shapes: every shape compiles anew),
+
+and reports each as bytes that must move over time: Q, K, V and the output,
+K/V counted once per KV head, against a device-to-device copy (bytes read +
+written) measured in the same run. Timing: the calls are captured in a CUDA
+graph that rotates over enough copies of the inputs to defeat the 60 MB L2,
+the graph is replayed many times between CUDA events, and the median of
+several such measurements is kept.
+
+Run it from the repository root after ``bash scripts/build_kernels.sh``::
+
+    python benchmarks/kernels.py                      # all tables -> JSON + printed table
+    python benchmarks/kernels.py --tables main --out /tmp/k.json
+    python benchmarks/kernels.py --dry-run            # tiny shapes, checks every path (CPU ok)
+    python benchmarks/kernels.py --report benchmarks/results/kernels_h200.json  # markdown tables
+
+Tables: ``main`` (16/8 heads, block 16), ``heads32`` (32/8 heads),
+``block_sizes``, ``versions`` (the chapter's kernel versions),
+``tuning`` (partition sizes and unroll depths), ``prefill``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mini_vllm import ops
+from mini_vllm.ops.prefill import _gather_paged
+from mini_vllm.ops.reference import paged_decode_attention_ref
+
+L2_DEFEAT_BYTES = 512 * 2**20  # rotate inputs until this many bytes are touched per graph
+MAX_ROTATIONS = 32
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+def time_calls(calls: list[Callable[[], object]], use_graph: bool, target_ms: float = 30.0,
+               trials: int = 5) -> float:
+    """Median seconds per call of `calls` (one per input rotation), on the current device."""
+    for fn in calls:  # warm-up (also compiles / autotunes)
+        fn()
+    torch.cuda.synchronize()
+    run: Callable[[], None]
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for fn in calls:
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+        run = graph.replay
+    else:
+        def run() -> None:
+            for fn in calls:
+                fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    reps = max(1, min(1000, int(target_ms / once)))
+    samples = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / (reps * len(calls)))
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 4 * 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_calls([lambda: dst.copy_(src)], use_graph=False, target_ms=100.0)
+
+
+# ----------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------
+class DecodeCase:
+    """R rotations of one decode shape: a paged cache plus its contiguous twin."""
+
+    def __init__(self, batch: int, ctx: int, block_size: int, num_q_heads: int,
+                 num_kv_heads: int, device: torch.device, contiguous: bool,
+                 gather_index: bool, scattered: bool = True, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.batch, self.ctx, self.block_size = batch, ctx, block_size
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        kv_bytes = 2 * batch * ctx * num_kv_heads * HEAD_DIM * 2
+        self.rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        blocks_per_seq = math.ceil(ctx / block_size)
+        num_blocks = self.rotations * batch * blocks_per_seq + 1
+        shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        self.k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+        self.v_cache = torch.randn(shape, dtype=DTYPE, device=device)
+        # Blocks handed out in a random order, as a long-running pool does
+        # (or in order, to measure what the scattering costs).
+        if scattered:
+            perm = torch.randperm(num_blocks - 1, device=device).to(torch.int32) + 1
+        else:
+            perm = torch.arange(1, num_blocks, dtype=torch.int32, device=device)
+        tables = perm[: self.rotations * batch * blocks_per_seq].view(
+            self.rotations, batch, blocks_per_seq)
+        self.block_tables = [tables[r].contiguous() for r in range(self.rotations)]
+        self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.queries = [torch.randn((batch, num_q_heads, HEAD_DIM), dtype=DTYPE, device=device)
+                        for _ in range(self.rotations)]
+        self.outs = [torch.empty_like(q) for q in self.queries]
+        self.scale = HEAD_DIM ** -0.5
+        self.slots: list[torch.Tensor] = []
+        if gather_index:  # [batch, ctx] cache slot of every token, built once (not timed)
+            pos = torch.arange(ctx, device=device)
+            for table in self.block_tables:
+                self.slots.append(table[:, pos // block_size].long() * block_size
+                                  + pos % block_size)
+        self.k_contig: list[torch.Tensor] = []
+        self.v_contig: list[torch.Tensor] = []
+        if contiguous:  # [batch, Hkv, ctx, D], the same values as the paged cache
+            for r in range(self.rotations):
+                k, v = self.gather(r)
+                self.k_contig.append(k.contiguous())
+                self.v_contig.append(v.contiguous())
+
+    @property
+    def bytes_moved(self) -> int:
+        """Q + K + V + output, K/V once per KV head."""
+        q = self.batch * self.num_q_heads * HEAD_DIM * 2
+        kv = 2 * self.batch * self.ctx * self.num_kv_heads * HEAD_DIM * 2
+        return 2 * q + kv
+
+    def gather(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of rotation r as [batch, Hkv, ctx, D] (non-contiguous views of a copy)."""
+        slots = self.slots[r] if self.slots else None
+        if slots is None:
+            pos = torch.arange(self.ctx, device=self.k_cache.device)
+            slots = (self.block_tables[r][:, pos // self.block_size].long() * self.block_size
+                     + pos % self.block_size)
+        flat = (-1, self.num_kv_heads, HEAD_DIM)
+        k = self.k_cache.view(flat)[slots]  # [batch, ctx, Hkv, D]
+        v = self.v_cache.view(flat)[slots]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def path_calls(case: DecodeCase, path: str, **kw: object) -> list[Callable[[], object]]:
+    """One callable per rotation for a decode path."""
+    calls: list[Callable[[], object]] = []
+    for r in range(case.rotations):
+        q, out, table = case.queries[r], case.outs[r], case.block_tables[r]
+        if path.startswith("ours"):  # "ours" or a named variant ("ours_gt4")
+            calls.append(lambda q=q, out=out, table=table: ops.paged_decode_attention(
+                q, case.k_cache, case.v_cache, table, case.context_lens, case.scale, case.ctx,
+                out=out, **kw))
+        elif path == "gather_sdpa":
+            def fn(q: torch.Tensor = q, r: int = r) -> torch.Tensor:
+                k, v = case.gather(r)
+                return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=case.scale,
+                                                      enable_gqa=True)
+            calls.append(fn)
+        elif path == "sdpa_contig":
+            calls.append(lambda q=q, k=case.k_contig[r], v=case.v_contig[r]:
+                         F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=case.scale,
+                                                        enable_gqa=True))
+        elif path == "flex_contig":
+            flex = kw["flex"]
+            calls.append(lambda q=q, k=case.k_contig[r], v=case.v_contig[r], flex=flex:
+                         flex(q.unsqueeze(2), k, v, scale=case.scale, enable_gqa=True))
+        else:
+            raise ValueError(path)
+    return calls
+
+
+def check_path(case: DecodeCase, path: str, **kw: object) -> float:
+    """Relative error of a path's output against the torch reference (rotation 0)."""
+    out = path_calls(case, path, **kw)[0]()
+    if path.startswith("ours"):
+        out = case.outs[0]
+    out = out.reshape(case.batch, case.num_q_heads, HEAD_DIM).float()
+    ref = paged_decode_attention_ref(case.queries[0], case.k_cache, case.v_cache,
+                                     case.block_tables[0], case.context_lens, case.scale).float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# ----------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------
+def bench_decode(shapes: list[tuple[int, int, int, int, int]], paths: list[str], copy_bw: float,
+                 device: torch.device, flex_budget_s: float = 0.0, check: bool = True,
+                 ours_kw: dict | None = None, scattered: bool = True,
+                 variants: dict[str, dict] | None = None) -> list[dict]:
+    """Time every path at every (batch, ctx, block_size, Hq, Hkv) shape."""
+    rows = []
+    flex = None
+    flex_spent = 0.0
+    if "flex_contig" in paths:
+        from torch._dynamo import config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        dynamo_config.recompile_limit = 1000  # one compile per shape
+        flex = torch.compile(flex_attention, dynamic=False)
+    for batch, ctx, block_size, hq, hkv in shapes:
+        want = [p for p in paths if p != "flex_contig" or flex_spent < flex_budget_s]
+        case = DecodeCase(batch, ctx, block_size, hq, hkv, device,
+                          contiguous=any(p.endswith("contig") for p in want),
+                          gather_index="gather_sdpa" in want, scattered=scattered)
+        row = {"batch": batch, "context": ctx, "block_size": block_size, "num_q_heads": hq,
+               "num_kv_heads": hkv, "bytes": case.bytes_moved, "rotations": case.rotations,
+               "paths": {}}
+        for path in want:
+            kw = dict(ours_kw or {}) if path == "ours" else dict((variants or {}).get(path, {}))
+            if path == "flex_contig":
+                kw["flex"] = flex
+            t0 = time.perf_counter()
+            try:
+                err = check_path(case, path, **kw) if check else None
+                sec = time_calls(path_calls(case, path, **kw), use_graph=True)
+            except Exception as e:  # noqa: BLE001 - a path may not support a shape: record it
+                row["paths"][path] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            finally:
+                if path == "flex_contig":
+                    flex_spent += time.perf_counter() - t0
+            bw = case.bytes_moved / sec
+            row["paths"][path] = {"us": sec * 1e6, "gbps": bw / 1e9,
+                                  "frac_copy": bw / copy_bw, "rel_err": err}
+        rows.append(row)
+        print_row(row)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_row(row: dict) -> None:
+    cells = []
+    for path, r in row["paths"].items():
+        if "error" in r:
+            cells.append(f"{path}=ERR")
+        else:
+            cells.append(f"{path}={r['us']:8.1f}us {100 * r['frac_copy']:5.1f}%")
+    print(f"  b={row['batch']:>3} ctx={row['context']:>5} bs={row['block_size']:>3} "
+          f"h={row['num_q_heads']}/{row['num_kv_heads']}  " + "  ".join(cells), flush=True)
+
+
+def _prefill_paths(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                   qsl: torch.Tensor, ctx: torch.Tensor, starts: list[int], lens: list[int],
+                   fresh: bool) -> dict[str, Callable[[], object]]:
+    """The prefill paths of one batch, as zero-argument callables."""
+    kw = {"query_start_loc_cpu": starts, "context_lens_cpu": lens}
+    scale = HEAD_DIM ** -0.5
+    cu = F.pad(torch.cumsum(ctx, 0, dtype=torch.int32), (1, 0))
+    return {
+        # the engine's choice: no gather when no sequence has a cached prefix
+        "flash_varlen": lambda: ops.prefill_attention(
+            query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_varlen",
+            key=key if fresh else None, value=value if fresh else None, **kw),
+        "flash_varlen_gather": lambda: ops.prefill_attention(
+            query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_varlen", **kw),
+        "sdpa_per_seq": lambda: ops.prefill_attention(
+            query, k_cache, v_cache, tables, qsl, ctx, scale, backend="sdpa", **kw),
+        "gather_only": lambda: _gather_paged(k_cache, v_cache, tables, ctx, cu, sum(lens),
+                                             max(lens)),
+    }
+
+
+def bench_prefill(device: torch.device) -> list[dict]:
+    """Prefill paths: (cached prefix, new tokens) per sequence, 16/8 heads, block 16."""
+    cases = {
+        "4 x 2048 prompts": [(0, 2048)] * 4,
+        "16 x 512 prompts": [(0, 512)] * 16,
+        "4 x 512 after a 1536 prefix": [(1536, 512)] * 4,
+        "16 x 128 after a 4096 prefix": [(4096, 128)] * 16,
+        "1 x 8192 prompt": [(0, 8192)],
+    }
+    rows = []
+    for name, seqs in cases.items():
+        lens = [p + n for p, n in seqs]
+        starts = [0]
+        for _, n in seqs:
+            starts.append(starts[-1] + n)
+        bs, hkv, hq = 16, 8, 16
+        nb = sum(math.ceil(n / bs) for n in lens) + 1
+        k_cache = torch.randn((nb, bs, hkv, HEAD_DIM), dtype=DTYPE, device=device)
+        v_cache = torch.randn_like(k_cache)
+        perm = (torch.randperm(nb - 1, device=device) + 1).to(torch.int32)
+        width = max(math.ceil(n / bs) for n in lens)
+        tables = torch.zeros((len(seqs), width), dtype=torch.int32, device=device)
+        used = 0
+        for i, n in enumerate(lens):
+            k = math.ceil(n / bs)
+            tables[i, :k] = perm[used : used + k]
+            used += k
+        qsl = torch.tensor(starts, dtype=torch.int32, device=device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+        query = torch.randn((starts[-1], hq, HEAD_DIM), dtype=DTYPE, device=device)
+        key = torch.randn((starts[-1], hkv, HEAD_DIM), dtype=DTYPE, device=device)
+        value = torch.randn_like(key)
+        paths = _prefill_paths(query, key, value, k_cache, v_cache, tables, qsl, ctx, starts,
+                               lens, fresh=all(p == 0 for p, _ in seqs))
+        row = {"case": name, "new_tokens": starts[-1], "context_tokens": sum(lens), "paths": {}}
+        for path, fn in paths.items():
+            try:
+                row["paths"][path] = {"us": time_calls([fn], use_graph=False) * 1e6}
+            except Exception as e:  # noqa: BLE001 - a path may fail: record it
+                row["paths"][path] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        rows.append(row)
+        print(f"  {name:32s} " + "  ".join(
+            f"{p}={r.get('us', float('nan')):9.1f}us" for p, r in row["paths"].items()),
+            flush=True)
+    return rows
+
+
+def bar_report(main: list[dict]) -> dict:
+    """The phase's bar on the main table (16/8 heads, head_dim 128, bf16)."""
+    res = {"bw_90pct_at_batch64_ctx1k": True, "ge_sdpa_contig_at_batch64_ctx1k": True,
+           "beats_paged_torch_everywhere": True, "misses": []}
+    for row in main:
+        p = row["paths"]
+        ours = p.get("ours", {})
+        if "us" not in ours:
+            res["misses"].append(f"ours failed at {row['batch']}x{row['context']}")
+            continue
+        big = row["batch"] >= 64 and row["context"] >= 1024
+        if big and ours["frac_copy"] < 0.9:
+            res["bw_90pct_at_batch64_ctx1k"] = False
+            res["misses"].append(f"{row['batch']}x{row['context']}: "
+                                 f"{100 * ours['frac_copy']:.1f}% of copy")
+        sdpa = p.get("sdpa_contig", {})
+        if big and "us" in sdpa and ours["us"] > sdpa["us"]:
+            res["ge_sdpa_contig_at_batch64_ctx1k"] = False
+            res["misses"].append(f"{row['batch']}x{row['context']}: slower than sdpa_contig "
+                                 f"({ours['us']:.1f} vs {sdpa['us']:.1f} us)")
+        for other in ("gather_sdpa",):
+            o = p.get(other, {})
+            if "us" in o and ours["us"] >= o["us"]:
+                res["beats_paged_torch_everywhere"] = False
+                res["misses"].append(f"{row['batch']}x{row['context']}: not faster than {other}")
+    return res
+
+
+def main_shapes() -> list[tuple[int, int, int, int, int]]:
+    return [(b, c, 16, 16, 8) for b in (1, 8, 32, 64, 128, 256)
+            for c in (128, 512, 1024, 2048, 4096, 8192)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    result: dict = {
+        "device": props.name, "num_sms": props.multi_processor_count,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "dtype": "bfloat16", "head_dim": HEAD_DIM,
+    }
+    copy_bw = copy_bandwidth(device)
+    result["copy_bandwidth_gbps"] = copy_bw / 1e9
+    print(f"{props.name}: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write)")
+    tables = args.tables
+
+    def save() -> None:  # after every table, so a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+    torch_paths = ["ours", "gather_sdpa", "sdpa_contig", "flex_contig"]
+    if "main" in tables:
+        print("main: 16 q / 8 kv heads, block 16")
+        result["main"] = bench_decode(main_shapes(), torch_paths, copy_bw, device,
+                                      flex_budget_s=args.flex_budget)
+        result["bar"] = bar_report(result["main"])
+        save()
+    if "heads32" in tables:
+        print("heads32: 32 q / 8 kv heads, block 16")
+        shapes = [(b, c, 16, 32, 8) for b in (1, 16, 64, 256) for c in (128, 1024, 4096, 8192)]
+        result["heads32"] = bench_decode(
+            shapes, ["ours", "ours_gt4", "gather_sdpa", "sdpa_contig"], copy_bw, device,
+            variants={"ours_gt4": {"group_per_cta": 4}})
+        save()
+    if "block_sizes" in tables:
+        print("block_sizes: 16 q / 8 kv heads")
+        shapes = [(b, c, bs, 16, 8) for b, c in ((1, 8192), (8, 512), (64, 2048), (256, 1024))
+                  for bs in (16, 32, 64, 128, 256)]
+        result["block_sizes"] = bench_decode(shapes, ["ours", "gather_sdpa"], copy_bw, device)
+        save()
+    if "versions" in tables:
+        print("versions: 16 q / 8 kv heads, block 16")
+        shapes = [(1, 1024, 16, 16, 8), (8, 8192, 16, 16, 8), (64, 1024, 16, 16, 8),
+                  (64, 4096, 16, 16, 8), (256, 2048, 16, 16, 8)]
+        result["versions"] = []
+        for v in ops.DECODE_VERSIONS:
+            rows = bench_decode(shapes, ["ours"], copy_bw, device, ours_kw={"version": v})
+            for r in rows:
+                r["version"] = v
+            result["versions"] += rows
+        save()
+    if "tuning" in tables:
+        print("tuning: partition sizes, unroll depths, block order (16/8 heads, block 16)")
+        shapes = [(1, 8192, 16, 16, 8), (8, 4096, 16, 16, 8), (64, 1024, 16, 16, 8),
+                  (64, 4096, 16, 16, 8), (256, 1024, 16, 16, 8), (256, 8192, 16, 16, 8)]
+        result["tuning"] = bench_decode([(512, 4096, 16, 2, 1), (2048, 1024, 16, 2, 1)],
+                                        ["ours", "sdpa_contig"], copy_bw, device)
+        variants = ([{"unroll": u, "partition_size": p} for u in (2, 4)
+                     for p in (64, 128, 256, 512, 1024, 2048, 4096)]
+                    + [{"unroll": u} for u in (2, 4)]
+                    + [{"version": 4, "unroll": u} for u in (2, 4, 8)]
+                    + [{"cluster": c} for c in (2, 8)]
+                    + [{"scattered": False}])
+        for kw in variants:
+            print(f" {kw}")
+            if "partition_size" in kw or kw.get("version") == 4:
+                shapes_kw = shapes
+            elif "cluster" in kw or "scattered" in kw:
+                # one KV head: every head's rows are contiguous (a locality probe)
+                shapes_kw = [*shapes, (512, 4096, 16, 2, 1), (2048, 1024, 16, 2, 1)]
+            else:  # the GQA group of 4 steps differently: tune it too
+                shapes_kw = [*shapes, (8, 4096, 16, 32, 8), (64, 4096, 16, 32, 8),
+                             (256, 1024, 16, 32, 8)]
+            ours_kw = {k: v for k, v in kw.items() if k != "scattered"}
+            rows = bench_decode(shapes_kw, ["ours"], copy_bw, device, check=False, ours_kw=ours_kw,
+                                scattered=kw.get("scattered", True))
+            for r in rows:
+                r.update(kw)
+            result["tuning"] += rows
+        save()
+    if "prefill" in tables:
+        print("prefill: 16 q / 8 kv heads, block 16")
+        result["prefill"] = bench_prefill(device)
+        save()
+    return result
+
+
+PATH_NAMES = {"ours": "ours", "ours_gt4": "ours, 4 heads/CTA", "gather_sdpa": "gather + SDPA",
+              "sdpa_contig": "SDPA, contiguous", "flex_contig": "Flex, contiguous"}
+
+
+def _cell(r: dict | None) -> str:
+    if not r or "us" not in r:
+        return "-"
+    return f"{r['us']:.1f} µs · {100 * r['frac_copy']:.0f} %"
+
+
+def report(path: Path) -> None:
+    """Print the results of a JSON file as the markdown tables of chapter 8."""
+    d = json.loads(path.read_text())
+    print(f"{d['device']}, PyTorch {d['torch']}, copy {d['copy_bandwidth_gbps'] / 1e3:.2f} TB/s "
+          "(read + write); each cell: time per call · achieved bandwidth / copy bandwidth\n")
+    for table in ("main", "heads32", "block_sizes"):
+        rows = d.get(table)
+        if not rows:
+            continue
+        paths = [p for p in PATH_NAMES if any(p in r["paths"] for r in rows)]
+        first = "block size | " if table == "block_sizes" else ""
+        print(f"**{table}**\n")
+        print(f"| batch × context | {first}" + " | ".join(PATH_NAMES[p] for p in paths) + " |")
+        print("|---|" + ("---|" if first else "") + "---|" * len(paths))
+        for r in rows:
+            bs = f"{r['block_size']} | " if first else ""
+            print(f"| {r['batch']} × {r['context']} | {bs}"
+                  + " | ".join(_cell(r["paths"].get(p)) for p in paths) + " |")
+        print()
+    if d.get("versions"):
+        shapes = sorted({(r["batch"], r["context"]) for r in d["versions"]})
+        print("**versions**\n")
+        print("| version | " + " | ".join(f"{b} × {c}" for b, c in shapes) + " |")
+        print("|---|" + "---|" * len(shapes))
+        for v in sorted({r["version"] for r in d["versions"]}):
+            by = {(r["batch"], r["context"]): r for r in d["versions"] if r["version"] == v}
+            print(f"| v{v} | " + " | ".join(_cell(by[s]["paths"].get("ours")) for s in shapes)
+                  + " |")
+        print()
+    if d.get("prefill"):
+        names = list(d["prefill"][0]["paths"])
+        print("**prefill** (µs per call)\n")
+        print("| batch | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for r in d["prefill"]:
+            print(f"| {r['case']} | " + " | ".join(
+                f"{r['paths'][n]['us']:.0f}" if "us" in r["paths"][n] else "-" for n in names)
+                  + " |")
+        print()
+    if d.get("bar"):
+        print("**bar**:", json.dumps(d["bar"]))
+
+
+def dry_run() -> None:
+    """Every decode path once at tiny shapes against the reference (CPU or GPU)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    paths = ["gather_sdpa", "sdpa_contig"] + (["ours"] if ops.is_available() else [])
+    for shape in [(2, 40, 16, 16, 8), (3, 100, 32, 32, 8)]:
+        case = DecodeCase(*shape, device=device, contiguous=True, gather_index=True)
+        for path in paths:
+            err = check_path(case, path)
+            print(f"  {shape} {path}: rel err {err:.2e}")
+            if err > 1e-2:
+                raise SystemExit(f"{path} disagrees with the reference")
+    print("dry run ok")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tables", nargs="+",
+                        default=["main", "heads32", "block_sizes", "versions", "prefill"],
+                        help="which tables to run")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"),
+                        help="where to write the JSON results")
+    parser.add_argument("--flex-budget", type=float, default=90.0,
+                        help="seconds of FlexAttention compiling and timing before it is skipped")
+    parser.add_argument("--profile", metavar="BATCH,CONTEXT,BLOCK",
+                        help="only run our kernel 5 times at one shape (for ncu)")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="print the tables of a results file as markdown and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every path once at tiny shapes and check it (no timing)")
+    args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
+    if args.dry_run:
+        dry_run()
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    if not ops.is_available():
+        raise SystemExit(f"mini_vllm.ops: {ops.unavailable_reason()}")
+    if args.profile:
+        batch, ctx, block_size = (int(x) for x in args.profile.split(","))
+        case = DecodeCase(batch, ctx, block_size, 16, 8, torch.device("cuda"),
+                          contiguous=False, gather_index=False)
+        call = path_calls(case, "ours")[0]
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        return
+    result = run(args)
+    print(f"wrote {args.out}")
+    if "bar" in result:
+        print("bar:", json.dumps(result["bar"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

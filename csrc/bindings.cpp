@@ -1,0 +1,149 @@
+// The Python module mini_vllm._C.
+//
+// ABI-free by design: every function takes raw device pointers (Python ints
+// from tensor.data_ptr()), sizes, a dtype code and the CUDA stream as an int
+// (torch.cuda.current_stream().cuda_stream). The module links only the CUDA
+// runtime, never PyTorch, so one build works with any installed PyTorch.
+// The checked, tensor-level API lives in mini_vllm/ops.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <pybind11/pybind11.h>
+
+#include "params.h"
+
+namespace py = pybind11;
+using namespace mini_vllm;
+
+namespace {
+
+template <typename P>
+P* as_ptr(std::uintptr_t p) {
+  return reinterpret_cast<P*>(p);
+}
+
+cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+DType as_dtype(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+
+void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_cache,
+            std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t context_lens,
+            std::uintptr_t part_out, std::uintptr_t part_ml, int num_seqs, int num_q_heads,
+            int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
+            int64_t q_stride, int max_context_len, int partition_size, int max_splits,
+            float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
+            int heads_per_cta) {
+  DecodeParams p;
+  p.out = as_ptr<void>(out);
+  p.q = as_ptr<const void>(q);
+  p.k_cache = as_ptr<const void>(k_cache);
+  p.v_cache = as_ptr<const void>(v_cache);
+  p.block_tables = as_ptr<const int32_t>(block_tables);
+  p.context_lens = as_ptr<const int32_t>(context_lens);
+  p.part_out = as_ptr<float>(part_out);
+  p.part_ml = as_ptr<float>(part_ml);
+  p.num_seqs = num_seqs;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = block_size;
+  p.max_blocks_per_seq = max_blocks_per_seq;
+  p.q_stride = q_stride;
+  p.max_context_len = max_context_len;
+  p.partition_size = partition_size;
+  p.max_splits = max_splits;
+  p.scale = scale;
+  p.dtype = as_dtype(dtype);
+  p.unroll = unroll;
+  p.cluster = cluster;
+  p.heads_per_cta = heads_per_cta;
+  if (num_seqs == 0) return;
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
+    throw std::invalid_argument("num_q_heads must be a positive multiple of num_kv_heads");
+  }
+  if (partition_size <= 0 || max_splits <= 0) {
+    throw std::invalid_argument("partition_size and max_splits must be positive");
+  }
+  switch (version) {
+    case 1: return paged_attention_v1(p, as_stream(stream));
+    case 2: return paged_attention_v2(p, as_stream(stream));
+    case 3: return paged_attention_v3(p, as_stream(stream));
+    case 4: return paged_attention_v4(p, as_stream(stream));
+    case 5: return paged_attention_v5(p, as_stream(stream));
+    default: throw std::invalid_argument("unknown kernel version " + std::to_string(version));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mini-vllm CUDA kernels (raw-pointer interface; use mini_vllm.ops)";
+  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5);
+  m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
+
+  m.def("paged_attention_decode", &decode, "Paged decode attention (see DecodeParams).",
+        py::arg("version"), py::arg("out"), py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("part_out"), py::arg("part_ml"), py::arg("num_seqs"), py::arg("num_q_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+        py::arg("max_blocks_per_seq"), py::arg("q_stride"), py::arg("max_context_len"),
+        py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
+        py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
+        py::arg("heads_per_cta") = 0);
+
+  m.def(
+      "reshape_and_cache",
+      [](std::uintptr_t key, std::uintptr_t value, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t slot_mapping, int num_tokens, int num_kv_heads, int head_dim,
+         int64_t key_stride, int64_t value_stride, int dtype, std::uintptr_t stream) {
+        CacheWriteParams p;
+        p.key = as_ptr<const void>(key);
+        p.value = as_ptr<const void>(value);
+        p.k_cache = as_ptr<void>(k_cache);
+        p.v_cache = as_ptr<void>(v_cache);
+        p.slot_mapping = as_ptr<const int64_t>(slot_mapping);
+        p.num_tokens = num_tokens;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.key_stride = key_stride;
+        p.value_stride = value_stride;
+        p.dtype = as_dtype(dtype);
+        reshape_and_cache(p, as_stream(stream));
+      },
+      "Write new tokens' K and V into their cache slots (slot -1: skip).", py::arg("key"),
+      py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"),
+      py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "gather_kv_cache",
+      [](std::uintptr_t k_out, std::uintptr_t v_out, std::uintptr_t k_cache,
+         std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t cu_seqlens,
+         int num_seqs, int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
+         int max_context_len, int dtype, std::uintptr_t stream) {
+        GatherParams p;
+        p.k_out = as_ptr<void>(k_out);
+        p.v_out = as_ptr<void>(v_out);
+        p.k_cache = as_ptr<const void>(k_cache);
+        p.v_cache = as_ptr<const void>(v_cache);
+        p.block_tables = as_ptr<const int32_t>(block_tables);
+        p.cu_seqlens = as_ptr<const int32_t>(cu_seqlens);
+        p.num_seqs = num_seqs;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.block_size = block_size;
+        p.max_blocks_per_seq = max_blocks_per_seq;
+        p.max_context_len = max_context_len;
+        p.dtype = as_dtype(dtype);
+        gather_kv_cache(p, as_stream(stream));
+      },
+      "Gather paged K/V into contiguous rows, sequence after sequence.", py::arg("k_out"),
+      py::arg("v_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+      py::arg("cu_seqlens"), py::arg("num_seqs"), py::arg("num_kv_heads"), py::arg("head_dim"),
+      py::arg("block_size"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"),
+      py::arg("dtype"), py::arg("stream"));
+}

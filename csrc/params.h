@@ -1,0 +1,106 @@
+// Host-side interface of the kernels: plain structs and launcher declarations.
+//
+// Nothing here depends on PyTorch. Every tensor arrives as a raw device pointer
+// with its sizes, the dtype as a small integer code, and the CUDA stream as an
+// integer, so one build of the module works with any installed PyTorch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mini_vllm {
+
+// Element type of the KV cache, the queries and the outputs.
+enum class DType : int {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,  // cache write and gather only
+};
+
+// Everything one paged decode-attention launch needs.
+//
+//   q            [num_seqs, num_q_heads, head_dim]     row stride q_stride (elements)
+//   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   block_tables [num_seqs, max_blocks_per_seq]  int32
+//   context_lens [num_seqs]                       int32 (tokens to attend to, >= 0)
+//   out          [num_seqs, num_q_heads, head_dim] contiguous
+//   part_out     [num_seqs, num_q_heads, max_splits, head_dim] float32 (split-K only)
+//   part_ml      [num_seqs, num_q_heads, max_splits, 2]        float32 (split-K only)
+struct DecodeParams {
+  void* out = nullptr;
+  const void* q = nullptr;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  const int32_t* block_tables = nullptr;
+  const int32_t* context_lens = nullptr;
+  float* part_out = nullptr;
+  float* part_ml = nullptr;
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  int64_t q_stride = 0;
+  int max_context_len = 0;
+  // Tokens per split (a power of two); splits = ceil(context_len / partition_size).
+  int partition_size = 0;
+  int max_splits = 1;
+  float scale = 1.0f;
+  DType dtype = DType::kBFloat16;
+  // Tokens per lane per step in versions 4 and 5 (0: the built-in default).
+  int unroll = 0;
+  // Version 5 only, sm_90+: launch the CTAs of one (split, sequence) that
+  // serve neighbouring KV heads as a thread-block cluster of this many CTAs,
+  // so they run at the same time (0: no cluster). An experiment in locality.
+  int cluster = 0;
+  // Query heads one CTA serves (1, 2, 4 or 8, dividing the GQA group);
+  // 0: the largest that divides the group.
+  int heads_per_cta = 0;
+};
+
+// One launcher per numbered version of the decode kernel (see the chapter).
+void paged_attention_v1(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v2(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v3(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v4(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v5(const DecodeParams& p, cudaStream_t stream);
+
+// New tokens' K and V into their cache slots (slot -1: skip).
+struct CacheWriteParams {
+  const void* key = nullptr;    // [num_tokens, num_kv_heads, head_dim], token stride key_stride
+  const void* value = nullptr;  // same shape, token stride value_stride
+  void* k_cache = nullptr;      // [num_blocks, block_size, num_kv_heads, head_dim]
+  void* v_cache = nullptr;
+  const int64_t* slot_mapping = nullptr;  // [num_tokens]
+  int num_tokens = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t key_stride = 0;
+  int64_t value_stride = 0;
+  DType dtype = DType::kBFloat16;
+};
+void reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream);
+
+// Gather each sequence's first context_len tokens of K and V out of the paged
+// cache into contiguous [total_tokens, num_kv_heads, head_dim] tensors, sequence
+// after sequence (the layout varlen attention wants).
+struct GatherParams {
+  void* k_out = nullptr;
+  void* v_out = nullptr;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1] prefix sums of context lengths
+  int num_seqs = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  int max_context_len = 0;
+  DType dtype = DType::kBFloat16;
+};
+void gather_kv_cache(const GatherParams& p, cudaStream_t stream);
+
+}  // namespace mini_vllm

@@ -1,0 +1,38 @@
+"""CUDA kernels of mini-vllm and their checked Python wrappers.
+
+The kernels live in `csrc/` and build into the module `mini_vllm._C` with
+`bash scripts/build_kernels.sh`. Without it (or without a GPU) `is_available()`
+is False, `unavailable_reason()` says why, and callers use the torch
+references in `mini_vllm.ops.reference` (the engine does this by itself).
+
+Public API:
+    paged_decode_attention   one new token per sequence over its paged context
+    reshape_and_cache        write new tokens' K/V into their cache slots
+    prefill_attention        prompts (and prompt chunks after a cached prefix)
+    gather_kv_cache          paged K/V -> contiguous rows
+"""
+
+from mini_vllm.ops._extension import BUILD_COMMAND, is_available, unavailable_reason
+from mini_vllm.ops.cache_ops import gather_kv_cache, reshape_and_cache
+from mini_vllm.ops.paged_attention import (
+    DECODE_VERSIONS,
+    DEFAULT_DECODE_VERSION,
+    decode_partition_size,
+    paged_decode_attention,
+)
+from mini_vllm.ops.prefill import PREFILL_BACKENDS, prefill_attention, prefill_backend
+
+__all__ = [
+    "BUILD_COMMAND",
+    "DECODE_VERSIONS",
+    "DEFAULT_DECODE_VERSION",
+    "PREFILL_BACKENDS",
+    "decode_partition_size",
+    "gather_kv_cache",
+    "is_available",
+    "paged_decode_attention",
+    "prefill_attention",
+    "prefill_backend",
+    "reshape_and_cache",
+    "unavailable_reason",
+]

@@ -1,0 +1,56 @@
+"""Finding the compiled module `mini_vllm._C` and saying why it is missing."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+BUILD_COMMAND = "bash scripts/build_kernels.sh"
+
+
+@functools.lru_cache(maxsize=1)
+def _import_extension() -> tuple[ModuleType | None, str | None]:
+    """Import `mini_vllm._C` once; return (module, None) or (None, why not)."""
+    try:
+        from mini_vllm import _C  # type: ignore[attr-defined]
+    except ImportError as e:
+        return None, (
+            f"the CUDA kernels are not built (import of mini_vllm._C failed: {e}); "
+            f"build them from the repository root with `{BUILD_COMMAND}` "
+            "(needs nvcc, CMake >= 3.24 and pybind11)"
+        )
+    return _C, None
+
+
+def unavailable_reason() -> str | None:
+    """Why the CUDA kernels cannot run here, or None when they can."""
+    module, why = _import_extension()
+    if module is None:
+        return why
+    if not torch.cuda.is_available():
+        return "the CUDA kernels are built but PyTorch sees no CUDA GPU"
+    return None
+
+
+def is_available() -> bool:
+    """True when `mini_vllm._C` is built and a CUDA GPU is visible."""
+    return unavailable_reason() is None
+
+
+def extension() -> ModuleType:
+    """The compiled module.
+
+    Raises:
+        RuntimeError: naming the build command when the module is missing.
+    """
+    module, why = _import_extension()
+    if module is None:
+        raise RuntimeError(f"mini_vllm.ops: {why}")
+    return module
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The module's element-type code (`DType` in csrc/params.h)."""
+    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]

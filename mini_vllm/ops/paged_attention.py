@@ -1,0 +1,194 @@
+"""Paged decode attention: one new query token per sequence over its paged context.
+
+The CUDA kernel (csrc/paged_attention/) comes in numbered versions, each a
+step of chapter 8; version 5 is the one the engine uses. Splitting long
+contexts over several CTAs (split-K) is decided here, on the host, from the
+batch shape only, so a CUDA graph captured for a shape replays correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mini_vllm.ops._checks import (
+    ATTENTION_DTYPES,
+    HEAD_DIMS,
+    aligned_rows,
+    check_kv_cache,
+    check_same_device,
+    check_tensor,
+)
+from mini_vllm.ops._extension import dtype_code, extension
+
+DECODE_VERSIONS = (1, 2, 3, 4, 5)
+DEFAULT_DECODE_VERSION = 5
+MIN_PARTITION_SIZE = 64
+# More splits than this per sequence cost more in set-up and combine than the
+# extra CTAs gain (measured: one 8k-token sequence is fastest at 32 x 256).
+MAX_SPLITS_PER_SEQ = 32
+MAX_PARTITION_SIZE = 4096
+# Split until the grid has this many CTAs per SM: measured on an H200, fewer
+# and longer partitions win as soon as every SM has two (chapter 8).
+_TARGET_CTAS_PER_SM = 2
+
+
+# Version 5 serves at most this many query heads per CTA: with 4 (Qwen3-8B's
+# 32/8 heads) a thread holds too many queries and accumulators, and two CTAs
+# that read the same KV head (the second read mostly from L2) are faster.
+_V5_MAX_HEADS_PER_CTA = 2
+
+
+def heads_per_cta(num_q_heads: int, num_kv_heads: int, version: int = DEFAULT_DECODE_VERSION,
+                  ) -> int:
+    """Query heads one CTA serves: the largest of 8, 4, 2, 1 dividing the GQA group
+    (at most 2 in version 5)."""
+    group = num_q_heads // num_kv_heads
+    limit = _V5_MAX_HEADS_PER_CTA if version == 5 else 8
+    return next(g for g in (8, 4, 2, 1) if group % g == 0 and g <= limit)
+
+
+# --8<-- [start:partition]
+def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
+                          max_context_len: int, num_sms: int,
+                          group_per_cta: int | None = None) -> int:
+    """Tokens per split for split-K decode (a power of two).
+
+    Start from one split for the longest context and halve the partition while
+    the grid (CTAs per split x splits) has fewer than two CTAs per SM, down to
+    64 tokens and up to 32 splits per sequence: a batch of 64 x 8 KV heads
+    already fills an H200 (no split), a single sequence of 1k tokens gets 16
+    partitions of 64, one of 8k tokens 32 partitions of 256.
+    """
+    group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads)
+    ctas_per_split = num_seqs * (num_q_heads // group_per_cta)
+    longest = max(max_context_len, 1)
+    size = min(MAX_PARTITION_SIZE, 1 << (longest - 1).bit_length())
+    target = _TARGET_CTAS_PER_SM * num_sms
+    while (size > MIN_PARTITION_SIZE and ctas_per_split * -(-longest // size) < target
+           and -(-longest // (size // 2)) <= MAX_SPLITS_PER_SEQ):
+        size //= 2
+    return max(size, 1)
+# --8<-- [end:partition]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    version: int = DEFAULT_DECODE_VERSION,
+    partition_size: int | None = None,
+    unroll: int = 0,
+    cluster: int = 0,
+    group_per_cta: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV cache (GQA aware).
+
+    Args:
+        query: [num_seqs, num_q_heads, head_dim], float16 or bfloat16. The
+            last two dims must be dense; the first may be strided (a slice of
+            a fused QKV output).
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
+            same dtype; block_size a power of two; head_dim 32, 64 or 128.
+        v_cache: like `k_cache`.
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+        context_lens: [num_seqs] int32, tokens in the cache per sequence (the
+            new one included; 0 gives a zero output, for padded batch slots).
+        scale: softmax scale, usually head_dim ** -0.5.
+        max_context_len: an upper bound of `context_lens` (a host int); it
+            sizes the split-K grid. None reads it from `context_lens` (one
+            device sync). Under CUDA graphs pass the same bound (e.g.
+            max_model_len) at capture and replay.
+        out: optional [num_seqs, num_q_heads, head_dim] contiguous output.
+        version: kernel version 1-5 (see chapter 8); 5 is the fastest.
+        partition_size: tokens per split (power of two, >= 16) for versions
+            3-5; None picks one from the batch shape.
+        unroll: tokens per lane per step in versions 4 and 5 (0: default;
+            version 4 also builds 2 and 8, version 5 both 2 and 4, for
+            bfloat16 / head_dim 128 only: a tuning knob).
+        cluster: version 5 on sm_90+: run the CTAs of neighbouring KV heads
+            as thread-block clusters of this size (0: off; an experiment).
+        group_per_cta: query heads per CTA (1, 2, 4 or 8 dividing the GQA
+            group); None: `heads_per_cta(...)` for this version.
+
+    Returns:
+        `out`, [num_seqs, num_q_heads, head_dim] in the query's dtype.
+
+    Raises:
+        ValueError: on a wrong dtype, shape, layout or device.
+        RuntimeError: when the CUDA kernels are not built.
+    """
+    check_tensor("query", query, ndim=3, dtypes=ATTENTION_DTYPES, contiguous=False)
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache, ATTENTION_DTYPES)
+    num_seqs, num_q_heads, q_head_dim = query.shape
+    if k_cache.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but the KV cache is {k_cache.dtype}")
+    if q_head_dim != head_dim:
+        raise ValueError(f"query head_dim {q_head_dim} != KV cache head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported (one of {HEAD_DIMS})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} must have num_seqs = {num_seqs} rows")
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(query.dtype,))
+        if out.shape != query.shape:
+            raise ValueError(f"out: shape {tuple(out.shape)} != query {tuple(query.shape)}")
+    if version not in DECODE_VERSIONS:
+        raise ValueError(f"version {version} is not one of {DECODE_VERSIONS}")
+    if partition_size is not None and (partition_size < 16
+                                       or partition_size & (partition_size - 1)):
+        raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
+    tensors = {"query": query, "k_cache": k_cache, "v_cache": v_cache,
+               "block_tables": block_tables, "context_lens": context_lens}
+    if out is not None:
+        tensors["out"] = out
+    device = check_same_device(**tensors)
+    ext = extension()
+
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if num_seqs else 0
+    if max_context_len < 0:
+        raise ValueError(f"max_context_len must be >= 0, got {max_context_len}")
+    query = aligned_rows(query)
+    if out is None:
+        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=query.dtype, device=device)
+    if num_seqs == 0:
+        return out
+
+    group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
+    if version >= 3:
+        if partition_size is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            partition_size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads,
+                                                   max_context_len, num_sms, group_per_cta)
+        max_splits = max(1, -(-max_context_len // partition_size))
+    else:
+        partition_size, max_splits = max(max_context_len, 1), 1
+    part_out = part_ml = None
+    if max_splits > 1:
+        part_out = torch.empty((num_seqs, num_q_heads, max_splits, head_dim),
+                               dtype=torch.float32, device=device)
+        part_ml = torch.empty((num_seqs, num_q_heads, max_splits, 2),
+                              dtype=torch.float32, device=device)
+    with torch.cuda.device(device):
+        ext.paged_attention_decode(
+            version, out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), context_lens.data_ptr(),
+            0 if part_out is None else part_out.data_ptr(),
+            0 if part_ml is None else part_ml.data_ptr(),
+            num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+            query.stride(0), max_context_len, partition_size, max_splits, float(scale),
+            dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
+            cluster, group_per_cta)
+    return out

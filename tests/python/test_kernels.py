@@ -1,0 +1,487 @@
+"""Phase 8: CUDA kernels against their torch references.
+
+GPU tests (marker `gpu`) run each kernel on fresh random inputs and compare
+with `mini_vllm.ops.reference`; they skip, with the reason, when there is no
+GPU or the module `mini_vllm._C` is not built (`bash scripts/build_kernels.sh`).
+Outputs are filled with NaN before each run so unwritten elements show, and
+the cache is poisoned with NaN wherever a kernel must not read (block 0, the
+padding of the block tables, and the slots past each context in its last
+block). The CPU tests check the wrappers' validation, the unavailability
+message and the references themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mini_vllm import ops
+from mini_vllm.ops.reference import (
+    gather_context_ref,
+    paged_decode_attention_ref,
+    prefill_attention_ref,
+    reshape_and_cache_ref,
+)
+
+pytestmark = pytest.mark.phase8
+
+gpu = pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "")
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+DTYPES = (torch.bfloat16, torch.float16)
+# (num_q_heads, num_kv_heads, head_dim): Qwen3-0.6B, Qwen3-8B, the tiny test
+# model, a group of 8 at head_dim 64, a group of 5 (served one head per CTA),
+# and plain multi-head attention.
+HEAD_SHAPES = ((16, 8, 128), (32, 8, 128), (4, 2, 32), (16, 2, 64), (40, 8, 128), (8, 8, 64))
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1.6e-2 if dtype == torch.bfloat16 else 4e-3
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} output elements are NaN"
+    tol = _tolerance(out.dtype)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
+    assert rel < tol / 2, f"relative error {rel:.2e}"
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _paged_batch(context_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str, gen: torch.Generator,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random paged cache holding `context_lens` tokens per sequence.
+
+    Blocks are handed out in a random order (block 0 never), tables are padded
+    with 0 plus a few extra columns, and every slot no sequence owns is NaN.
+    """
+    needed = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(needed) + 3
+    max_blocks = max(needed, default=0) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).tolist()
+    tables = torch.zeros((len(context_lens), max_blocks), dtype=torch.int32)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for i, (n, nb) in enumerate(zip(context_lens, needed)):
+        blocks = [perm.pop() for _ in range(nb)]
+        tables[i, :nb] = torch.tensor(blocks, dtype=torch.int32)
+        for t in range(0, n, block_size):
+            b = blocks[t // block_size]
+            owned[b * block_size : b * block_size + min(block_size, n - t)] = True
+    unowned = (~owned).to(device)
+    k_cache.view(-1, num_kv_heads, head_dim)[unowned] = float("nan")
+    v_cache.view(-1, num_kv_heads, head_dim)[unowned] = float("nan")
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return k_cache, v_cache, tables.to(device), lens
+
+
+def _context_lens(batch: int, max_ctx: int, block_size: int, gen: torch.Generator) -> list[int]:
+    """Random lengths in [1, max_ctx], with the edge cases around a block boundary."""
+    lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen, device="cuda").tolist()
+    edges = [1, block_size - 1, block_size, block_size + 1, max_ctx]
+    for i, e in enumerate(edges[: batch]):
+        lens[i] = max(1, min(e, max_ctx))
+    return lens
+
+
+def _run_decode(context_lens: list[int], block_size: int, heads: tuple[int, int, int],
+                dtype: torch.dtype, gen: torch.Generator, **kwargs: object) -> None:
+    num_q_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, tables, lens = _paged_batch(context_lens, block_size, num_kv_heads,
+                                                  head_dim, dtype, "cuda", gen)
+    q_scale = 1.0 + 3.0 * torch.rand((), generator=gen, device="cuda").item()  # peaky and flat softmaxes
+    query = (q_scale * torch.randn((len(context_lens), num_q_heads, head_dim), generator=gen,
+                                   device="cuda")).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale,
+                               max(context_lens), out=out, **kwargs)
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens, scale)
+    _assert_close(out, ref)
+
+
+def _gen(*key: object) -> torch.Generator:
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(hash(key) % (2**31))
+    return gen
+
+
+# ----------------------------------------------------------------------------
+# GPU: decode attention
+# ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_matches_reference(dtype: torch.dtype, block_size: int,
+                                  heads: tuple[int, int, int]) -> None:
+    gen = _gen("decode", str(dtype), block_size, heads)
+    _run_decode(_context_lens(7, 3 * block_size + 5, block_size, gen), block_size, heads,
+                dtype, gen)
+    _run_decode(_context_lens(3, 2000, block_size, gen), block_size, heads, dtype, gen)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("batch", "max_ctx"), [(1, 1), (1, 8192), (8, 8192), (64, 1024),
+                                                 (256, 2048), (256, 37)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_batches_and_long_contexts(dtype: torch.dtype, batch: int, max_ctx: int) -> None:
+    gen = _gen("batches", str(dtype), batch, max_ctx)
+    lens = _context_lens(batch, max_ctx, 16, gen)
+    if batch == 1:
+        lens = [max_ctx]
+    _run_decode(lens, 16, (16, 8, 128), dtype, gen)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("partition_size", [16, 32, 64, 512])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_split_k_partitions(block_size: int, partition_size: int, version: int) -> None:
+    """Many splits, partitions smaller than a block, and sequences of one split."""
+    gen = _gen("splits", block_size, partition_size, version)
+    lens = _context_lens(9, 1500, block_size, gen)
+    _run_decode(lens, block_size, (32, 8, 128), torch.bfloat16, gen,
+                partition_size=partition_size, version=version)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("heads", [(16, 8, 128), (4, 2, 32), (40, 8, 128)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_every_version(version: int, heads: tuple[int, int, int],
+                              dtype: torch.dtype) -> None:
+    gen = _gen("versions", version, heads, str(dtype))
+    for block_size in (16, 128):
+        _run_decode(_context_lens(6, 3000, block_size, gen), block_size, heads, dtype, gen,
+                    version=version)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("version", "unroll"), [(4, 2), (4, 8), (5, 2), (5, 4)])
+@pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128)], ids=str)
+def test_decode_tuning_unrolls(version: int, unroll: int, heads: tuple[int, int, int]) -> None:
+    gen = _gen("unroll", version, unroll, heads)
+    for block_size, partition_size in ((32, None), (16, 64), (256, 32)):
+        _run_decode(_context_lens(5, 2500, block_size, gen), block_size, heads,
+                    torch.bfloat16, gen, version=version, unroll=unroll,
+                    partition_size=partition_size)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9,
+                    reason="thread-block clusters need sm_90")
+@pytest.mark.parametrize("cluster", [2, 8])
+def test_decode_cluster_launch(cluster: int) -> None:
+    gen = _gen("cluster", cluster)
+    _run_decode(_context_lens(6, 3000, 16, gen), 16, (16, 8, 128), torch.bfloat16, gen,
+                cluster=cluster)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("group_per_cta", [1, 2, 4, 8])
+def test_decode_heads_per_cta(group_per_cta: int, version: int) -> None:
+    """Any tiling of a GQA group of 8 over CTAs gives the same result."""
+    gen = _gen("group", group_per_cta, version)
+    _run_decode(_context_lens(4, 1200, 16, gen), 16, (64, 8, 128), torch.bfloat16, gen,
+                version=version, group_per_cta=group_per_cta)
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_zero_context_and_strided_query() -> None:
+    """Padded batch slots (context 0) give zeros; q may be a slice of a QKV output."""
+    gen = _gen("strided")
+    lens = [5, 0, 700, 0, 33]
+    k_cache, v_cache, tables, ctx = _paged_batch([max(n, 1) for n in lens], 16, 8, 128,
+                                                 torch.bfloat16, "cuda", gen)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qkv = torch.randn((5, (16 + 2 * 8) * 128), generator=gen, device="cuda").to(torch.bfloat16)
+    query = qkv[:, : 16 * 128].view(5, 16, 128)  # row stride 32 * 128
+    assert not query.is_contiguous()
+    for version in ops.DECODE_VERSIONS:
+        out = torch.full_like(query, float("nan"))
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.1, 700, out=out,
+                                   version=version)
+        ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, 0.1)
+        _assert_close(out, ref)
+        assert out[1].abs().max() == 0 and out[3].abs().max() == 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_replays_in_a_cuda_graph() -> None:
+    """Captured once with a bound on the context, replayed with other lengths."""
+    gen = _gen("graph")
+    bound = 2048
+    k_cache, v_cache, tables, _ = _paged_batch([bound] * 4, 16, 8, 128, torch.bfloat16,
+                                               "cuda", gen)
+    query = torch.randn((4, 16, 128), generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out)
+    for new_lens in ([2048, 1, 1000, 17], [5, 1500, 2000, 64]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        query.copy_(torch.randn((4, 16, 128), generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        _assert_close(out, paged_decode_attention_ref(query, k_cache, v_cache, tables, lens,
+                                                      0.09))
+
+
+# ----------------------------------------------------------------------------
+# GPU: KV-cache write and gather, prefill
+# ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [(8, 128), (2, 32), (1, 64)], ids=str)
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32), ids=str)
+def test_reshape_and_cache(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    gen = _gen("cache", str(dtype), heads)
+    num_kv_heads, head_dim = heads
+    num_tokens, num_blocks, block_size = 300, 40, 16
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device="cuda")[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen, device="cuda") < 0.2] = -1
+    # K and V as slices of one fused projection output, as a model makes them.
+    kv = torch.randn((num_tokens, 3 * num_kv_heads * head_dim), generator=gen,
+                     device="cuda").to(dtype)
+    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ops.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    reshape_and_cache_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gather_kv_cache(block_size: int) -> None:
+    gen = _gen("gather", block_size)
+    lens = _context_lens(6, 1000, block_size, gen)
+    k_cache, v_cache, tables, _ = _paged_batch(lens, block_size, 8, 128, torch.bfloat16,
+                                                 "cuda", gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    k, v = ops.gather_kv_cache(k_cache, v_cache, tables, cu, sum(lens), max(lens))
+    for i, n in enumerate(lens):
+        assert torch.equal(k[cu[i] : cu[i + 1]], gather_context_ref(k_cache, tables[i], n))
+        assert torch.equal(v[cu[i] : cu[i + 1]], gather_context_ref(v_cache, tables[i], n))
+
+
+# (cached prefix, new tokens) per sequence.
+PREFILL_BATCHES = {
+    "prompts": [(0, 17), (0, 1), (0, 300), (0, 64)],
+    "prefix": [(32, 17), (100, 1), (15, 300), (0, 64), (1000, 3)],
+    "mixed": [(511, 1), (0, 250), (64, 64), (2047, 1)],
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend", ops.PREFILL_BACKENDS)
+@pytest.mark.parametrize("batch", PREFILL_BATCHES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention(dtype: torch.dtype, batch: str, backend: str) -> None:
+    gen = _gen("prefill", str(dtype), batch, backend)
+    seqs = PREFILL_BATCHES[batch]
+    lens = [p + n for p, n in seqs]
+    num_q_heads, num_kv_heads, head_dim = 16, 8, 128
+    k_cache, v_cache, tables, ctx = _paged_batch(lens, 16, num_kv_heads, head_dim, dtype,
+                                                 "cuda", gen)
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    query = torch.randn((starts[-1], num_q_heads, head_dim), generator=gen,
+                        device="cuda").to(dtype)
+    # This step's K/V are the cache rows of the new positions.
+    key = torch.cat([gather_context_ref(k_cache, tables[i], lens[i])[p:]
+                     for i, (p, _) in enumerate(seqs)])
+    value = torch.cat([gather_context_ref(v_cache, tables[i], lens[i])[p:]
+                       for i, (p, _) in enumerate(seqs)])
+    ref = prefill_attention_ref(query, k_cache, v_cache, tables, qsl, ctx, 0.088)
+    for kv in ((None, None), (key, value)):
+        out = ops.prefill_attention(query, k_cache, v_cache, tables, qsl, ctx, 0.088,
+                                    query_start_loc_cpu=starts, context_lens_cpu=lens,
+                                    key=kv[0], value=kv[1], backend=backend)
+        _assert_close(out, ref)
+
+
+# ----------------------------------------------------------------------------
+# CPU: availability, validation, references
+# ----------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU machine")
+def test_unavailable_without_gpu_says_why() -> None:
+    assert not ops.is_available()
+    reason = ops.unavailable_reason()
+    assert reason
+    try:
+        from mini_vllm import _C  # noqa: F401
+    except ImportError:
+        assert ops.BUILD_COMMAND in reason and "nvcc" in reason
+        with pytest.raises(RuntimeError, match="scripts/build_kernels.sh"):
+            ops._extension.extension()
+    else:
+        assert "no CUDA GPU" in reason
+
+
+def _cpu_decode_args(**over: object) -> dict[str, object]:
+    args: dict[str, object] = {
+        "query": torch.randn(2, 16, 128, dtype=torch.bfloat16),
+        "k_cache": torch.randn(4, 16, 8, 128, dtype=torch.bfloat16),
+        "v_cache": torch.randn(4, 16, 8, 128, dtype=torch.bfloat16),
+        "block_tables": torch.ones(2, 3, dtype=torch.int32),
+        "context_lens": torch.tensor([5, 9], dtype=torch.int32),
+        "scale": 0.1,
+        "max_context_len": 9,
+    }
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(("over", "match"), [
+    ({"query": torch.randn(2, 16, 128)}, "query: dtype float32 is not supported"),
+    ({"query": torch.randn(2, 128, dtype=torch.bfloat16)}, "query: expected 3 dimensions"),
+    ({"query": torch.randn(2, 16, 128, dtype=torch.float16)}, "KV cache is torch.bfloat16"),
+    ({"query": torch.randn(2, 16, 64, dtype=torch.bfloat16)}, "head_dim 64 != KV cache"),
+    ({"query": torch.randn(2, 12, 128, dtype=torch.bfloat16)}, "multiple of num_kv_heads"),
+    ({"k_cache": torch.randn(4, 16, 8, 96, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 16, 8, 96, dtype=torch.bfloat16),
+      "query": torch.randn(2, 16, 96, dtype=torch.bfloat16)}, "head_dim 96 is not supported"),
+    ({"k_cache": torch.randn(4, 24, 8, 128, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 24, 8, 128, dtype=torch.bfloat16)}, "power of two"),
+    ({"v_cache": torch.randn(4, 8, 16, 128, dtype=torch.bfloat16).transpose(1, 2)},
+     "v_cache: must be contiguous"),
+    ({"v_cache": torch.randn(5, 16, 8, 128, dtype=torch.bfloat16)}, "must match"),
+    ({"block_tables": torch.ones(2, 3, dtype=torch.int64)}, "block_tables: dtype int64"),
+    ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
+    ({"out": torch.empty(2, 16, 64, dtype=torch.bfloat16)}, "out: shape"),
+    ({"version": 7}, "version 7 is not one of"),
+    ({"partition_size": 48}, "partition_size 48 must be a power of two"),
+    ({}, "must be on a CUDA device"),
+])
+def test_decode_wrapper_validation(over: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ops.paged_decode_attention(**_cpu_decode_args(**over))
+
+
+def test_cache_wrapper_validation() -> None:
+    key = torch.randn(3, 8, 128, dtype=torch.bfloat16)
+    cache = torch.randn(4, 16, 8, 128, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 5, -1])
+    with pytest.raises(ValueError, match="slot_mapping: dtype int32"):
+        ops.reshape_and_cache(key, key, cache, cache.clone(), slots.int())
+    with pytest.raises(ValueError, match="value: shape"):
+        ops.reshape_and_cache(key, key[:, :4], cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="KV cache is torch.bfloat16"):
+        ops.reshape_and_cache(key.half(), key.half(), cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="2 entries for 3 tokens"):
+        ops.reshape_and_cache(key, key, cache, cache.clone(), slots[:2])
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        ops.reshape_and_cache(key, key, cache, cache.clone(), slots)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        ops.reshape_and_cache(key.tolist(), key, cache, cache.clone(), slots)
+
+
+def test_partition_size_heuristic() -> None:
+    for seqs, ctx in [(1, 1), (1, 128), (1, 8192), (64, 1024), (256, 8192), (3, 40000)]:
+        size = ops.decode_partition_size(seqs, 16, 8, ctx, 132)
+        assert size & (size - 1) == 0 and size <= 4096
+        splits = math.ceil(ctx / size)
+        grid = seqs * 8 * splits
+        # The grid has two CTAs per SM, or the partitions are as small as allowed, or one
+        # more halving would give a sequence more than 32 splits.
+        assert grid >= 2 * 132 or size <= 64 or math.ceil(ctx / (size // 2)) > 32
+        assert splits <= 32 or size == 4096
+    assert ops.decode_partition_size(256, 16, 8, 8192, 132) == 4096  # no split needed
+    assert ops.decode_partition_size(64, 16, 8, 1024, 132) == 1024
+    assert ops.decode_partition_size(1, 16, 8, 8192, 132) == 256
+    assert ops.decode_partition_size(1, 16, 8, 1024, 132) == 64
+
+
+def _cpu_paged(lens: list[int], block_size: int, heads: tuple[int, int, int],
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_kv_heads, head_dim = heads[1], heads[2]
+    needed = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(needed) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables = torch.zeros((len(lens), max(needed)), dtype=torch.int32)
+    for i, nb in enumerate(needed):
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def test_decode_reference_is_dense_softmax_attention() -> None:
+    lens = [1, 7, 33]
+    heads = (4, 2, 32)
+    k_cache, v_cache, tables, ctx = _cpu_paged(lens, 4, heads)
+    query = torch.randn(3, 4, 32)
+    out = paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, 0.3)
+    for i, n in enumerate(lens):
+        k = gather_context_ref(k_cache, tables[i], n)  # [n, Hkv, D]
+        v = gather_context_ref(v_cache, tables[i], n)
+        for h in range(4):
+            w = torch.softmax(k[:, h // 2] @ query[i, h] * 0.3, dim=0)  # [n]
+            torch.testing.assert_close(out[i, h], w @ v[:, h // 2])
+
+
+def test_prefill_paths_agree_on_cpu() -> None:
+    """The torch-only prefill path, the reference and the engine's reference agree."""
+    attention = pytest.importorskip("mini_vllm.attention")
+    seqs = [(0, 5), (6, 3), (9, 1)]  # (cached prefix, new tokens)
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, tables, ctx = _cpu_paged(lens, 4, (4, 2, 32))
+    starts = [0, 5, 8, 9]
+    qsl = torch.tensor(starts, dtype=torch.int32)
+    query = torch.randn(9, 4, 32)
+    ref = prefill_attention_ref(query, k_cache, v_cache, tables, qsl, ctx, 0.2)
+    out = ops.prefill_attention(query, k_cache, v_cache, tables, qsl, ctx, 0.2,
+                                query_start_loc_cpu=starts, context_lens_cpu=lens)
+    torch.testing.assert_close(out, ref)
+    meta = attention.AttentionMetadata(
+        slot_mapping=torch.zeros(9, dtype=torch.int64), query_start_loc=qsl, context_lens=ctx,
+        block_tables=tables, max_query_len=5, max_context_len=max(lens),
+        query_start_loc_cpu=starts, context_lens_cpu=lens)
+    torch.testing.assert_close(attention.paged_attention(query, k_cache, v_cache, meta, 0.2),
+                               ref, atol=1e-5, rtol=1e-5)
+    # Decode rows (one new token) match the decode reference.
+    last = paged_decode_attention_ref(query[[4, 7, 8]], k_cache, v_cache, tables, ctx, 0.2)
+    torch.testing.assert_close(last, ref[[4, 7, 8]])
+
+
+def test_cache_write_reference_skips_padding() -> None:
+    attention = pytest.importorskip("mini_vllm.attention")
+    key, value = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    k_cache, v_cache = torch.randn(3, 4, 2, 32), torch.randn(3, 4, 2, 32)
+    k_eng, v_eng = k_cache.clone(), v_cache.clone()
+    before = k_cache.clone()
+    slots = torch.tensor([5, -1, 11, 4])
+    reshape_and_cache_ref(key, value, k_cache, v_cache, slots)
+    attention.write_kv_cache(key, value, k_eng, v_eng, slots)
+    assert torch.equal(k_cache, k_eng) and torch.equal(v_cache, v_eng)
+    flat = k_cache.view(-1, 2, 32)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[11], key[2])
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[[4, 5, 11]] = False
+    assert torch.equal(flat[untouched], before.view(-1, 2, 32)[untouched])
