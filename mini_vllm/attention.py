@@ -201,7 +201,16 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend `q` over the cache (which already holds this step's K/V).
+
+        `key` / `value` are this step's new K/V `[T, Hkv, D]`: a backend may
+        read them directly rather than the cache (a prompt with no cached
+        prefix has all its context right there).
+        """
+        ...
 
 
 class TorchAttentionBackend:
@@ -226,6 +235,8 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
@@ -269,7 +280,7 @@ class Attention(nn.Module):
         """Attend the new tokens `q [T, Hq, D]` (with `k`, `v` `[T, Hkv, D]`) -> `[T, Hq, D]`."""
         k_cache, v_cache = kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
 # --8<-- [end:backend]
 
 

@@ -210,6 +210,8 @@ class EngineConfig:
     enforce_eager: bool = False
     tokenizer: str | None = None
     served_model_name: str | None = None
+    load_format: str = "auto"
+    async_scheduling: bool = False
 
     @property
     def tokenizer_path(self) -> str:
@@ -223,7 +225,11 @@ class EngineArgs:
     `create_engine_config()` resolves `"auto"` values against the checkpoint and
     the machine: dtype `auto` is bfloat16 on a GPU and float32 on the CPU;
     `max_model_len` `None` means the model's `max_position_embeddings` (capped
-    on the CPU to keep the default cache small).
+    on the CPU to keep the default cache small). `load_format="dummy"` fills
+    the weights with random values instead of reading them (benchmarks of a
+    checkpoint directory that holds only `config.json` and the tokenizer).
+    `async_scheduling` `None` means on for CUDA, off for the CPU: it plans the
+    next step while the device still runs the current one (phase 9).
     """
 
     model: str | None = None
@@ -243,6 +249,8 @@ class EngineArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
+    load_format: str = "auto"
+    async_scheduling: bool | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -257,6 +265,8 @@ class EngineArgs:
         """
         from mini_vllm.checkpoint import resolve_model_dir
 
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported")
         model_dir = str(resolve_model_dir(self.model))
@@ -308,6 +318,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             tokenizer=self.tokenizer,
             served_model_name=self.served_model_name,
+            load_format=self.load_format,
+            async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                              else self.async_scheduling),
         )
 
 

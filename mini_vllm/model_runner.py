@@ -4,19 +4,28 @@ The scheduler decides, for each running sequence, which new tokens to
 compute this step and which cache blocks it owns (`BatchEntry`). The runner
 turns that into one flat batch (`build_batch`), runs Qwen3 over it and
 returns logits only where a token is sampled (`execute`).
+
+On a GPU the same step takes the fast path (`execute_fast`): the batch is
+built on the host with numpy and crosses to the device in one pinned copy
+(`StagingBuffer`), attention runs on the CUDA kernels (`cuda_backend`), and
+a decode step replays a CUDA graph (`cuda_graphs`) instead of launching the
+forward kernel by kernel. Nothing in a step waits for the GPU; the engine's
+read of the sampled tokens is the step's one synchronisation.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 import torch
 
 from mini_vllm.attention import AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
+from mini_vllm.cuda_backend import CudaAttentionMetadata, select_attention_backend
+from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes
 from mini_vllm.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -40,12 +49,17 @@ class BatchEntry:
             `start_pos + len(token_ids)` tokens.
         sample: whether to return logits for the last new token (False for a
             prompt chunk that is not the last).
+        prev_sample_row: -1, or the row of `execute`'s `prev_sampled` that holds
+            the real value of the last of `token_ids`: a token the previous step
+            sampled, still on the device, for which `token_ids` holds a
+            placeholder (async scheduling).
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     sample: bool = True
+    prev_sample_row: int = -1
 # --8<-- [end:batch_entry]
 
 
@@ -67,6 +81,71 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     num_tokens: int
+
+
+# --8<-- [start:staging]
+class StagingBuffer:
+    """One pinned host buffer and its device twin: a step's inputs cross in one copy.
+
+    `to_device` packs numpy arrays into the host buffer (each at a 16-byte
+    aligned offset), copies the used prefix with `non_blocking=True` and
+    returns device views of the same shapes and dtypes:
+
+        host (pinned)  | ids ....... | positions . | slots ..... | ctx .. | ...
+                          one cudaMemcpyAsync of the used bytes
+        device         | ids ....... | positions . | slots ..... | ctx .. | ...
+
+    The host buffer is rewritten by the next step only after the previous
+    copy has finished (an event, normally long done since the engine has
+    read the sampled tokens in between). Device views stay valid until the
+    next `to_device`: kernels that read them run on the same stream before
+    the next copy lands.
+
+    Args:
+        device: where the views live (pinned memory only on a GPU).
+        nbytes: initial size; the buffers grow when a step needs more.
+    """
+
+    def __init__(self, device: torch.device, nbytes: int = 1 << 20) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._copied = torch.cuda.Event() if self._cuda else None
+        self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        self._host_np = self.host.numpy()
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copy `arrays` (int32 / int64) to the device at once; return their device views."""
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 16) * 16
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the previous step's copy still reads the host buffer
+        if total > self.host.numel():
+            self._allocate(max(total, 2 * self.host.numel()))
+        for a, off in zip(arrays, offsets):
+            self._host_np[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return [
+            self.dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype.type]).view(a.shape)
+            for a, off in zip(arrays, offsets)
+        ]
+# --8<-- [end:staging]
+
+
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
+
+
+def _check_prev(prev_sampled: torch.Tensor | None) -> torch.Tensor:
+    if prev_sampled is None:
+        raise ValueError("an entry has prev_sample_row >= 0 but execute() got no prev_sampled")
+    return prev_sampled
 
 
 class ModelRunner:
@@ -91,8 +170,13 @@ class ModelRunner:
         self.dtype = engine_config.dtype
         self.block_size = engine_config.cache_config.block_size
         self.vocab_size = self.model_config.vocab_size
+        # None on the CPU: the model keeps the torch reference.
+        self.attn_backend = select_attention_backend(
+            self.device, self.dtype, self.model_config.head_dim
+        )
         self.model = load_model(
             engine_config.model, self.model_config, self.dtype, self.device,
+            attn_backend=self.attn_backend,
             load_format=engine_config.load_format, seed=engine_config.seed,
         )
         self.num_blocks = self._determine_num_blocks()
@@ -115,6 +199,12 @@ class ModelRunner:
                 "the KV cache holds %d tokens, fewer than max_model_len (%d)",
                 num_tokens, max_model_len,
             )
+        # The fast path: on a GPU always; graphs unless enforce_eager.
+        self.use_fast_path = self.device.type == "cuda"
+        self.staging = StagingBuffer(self.device)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.use_fast_path and not engine_config.enforce_eager:
+            self.graph_runner = self._capture_cuda_graphs()
 
     # --8<-- [start:num_blocks]
     @property
@@ -283,20 +373,219 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, entries: list[BatchEntry]) -> torch.Tensor:
+    def execute(
+        self, entries: list[BatchEntry], prev_sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run one step: write the new tokens' K/V to the cache and return logits.
 
         Args:
             entries: the sequences of this step, each with its new tokens.
+            prev_sampled: `[M] int64` the previous step's sampled token ids,
+                on the device, for entries whose last token is a placeholder
+                (`BatchEntry.prev_sample_row`).
 
         Returns:
             `[N, vocab_size] float32` logits of the last new token of each entry
-            with `sample=True`, in entry order (N may be 0).
+            with `sample=True`, in entry order (N may be 0). On the fast path
+            they may be a view of a CUDA graph's output: valid until the next step.
         """
+        if self.use_fast_path:
+            return self.execute_fast(entries, prev_sampled)
         batch = self.build_batch(entries)
+        fixes = [(batch.attn_metadata.query_start_loc_cpu[i + 1] - 1, e.prev_sample_row)
+                 for i, e in enumerate(entries) if e.prev_sample_row >= 0]
+        if fixes:  # placeholders: take the values the previous step sampled
+            rows, src = zip(*fixes)
+            batch.input_ids[list(rows)] = _check_prev(prev_sampled)[list(src)].to(
+                batch.input_ids.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab]
     # --8<-- [end:execute]
 
+    # ------------------------------------------------------------ the fast path
 
-__all__ = ["BatchEntry", "ModelInput", "ModelRunner"]
+    def _forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Forward and LM head over every row: what a decode graph records."""
+        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, meta))
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner:
+        sched = self.engine_config.scheduler_config
+        max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        runner = CudaGraphRunner(
+            self._forward_logits, self.kv_caches, capture_sizes(max_seqs),
+            max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
+            max_context_len=sched.max_model_len, device=self.device,
+        )
+        runner.capture()
+        return runner
+
+    # --8<-- [start:execute_fast]
+    @torch.inference_mode()
+    def execute_fast(
+        self,
+        entries: list[BatchEntry],
+        prev_sampled: torch.Tensor | None = None,
+        use_graph: bool = True,
+    ) -> torch.Tensor:
+        """`execute` without host synchronisation: graphs for decodes, kernels for attention.
+
+        Args:
+            entries: the sequences of this step.
+            prev_sampled: as in `execute`.
+            use_graph: replay a CUDA graph when the step is decode-only and a
+                graph of a large enough batch size was captured.
+
+        Returns:
+            `[N, vocab_size] float32` logits, as `execute`. After a graph
+            replay they are a view of the graph's output buffer: valid until
+            the next step.
+        """
+        if not entries:
+            raise ValueError("execute: no entries")
+        n = len(entries)
+        query_lens = np.fromiter((len(e.token_ids) for e in entries), np.int64, n)
+        starts = np.fromiter((e.start_pos for e in entries), np.int64, n)
+        sample = np.fromiter((e.sample for e in entries), np.bool_, n)
+        prev_rows = np.fromiter((e.prev_sample_row for e in entries), np.int64, n)
+        if prev_rows.max() >= 0:
+            _check_prev(prev_sampled)
+        if use_graph and self.graph_runner is not None and query_lens.max() == 1:
+            padded = self.graph_runner.padded_size(n)
+            if padded is not None:
+                return self._replay_decode(entries, query_lens, starts, sample, prev_rows,
+                                           prev_sampled, padded)
+        return self._run_eager(entries, query_lens, starts, sample, prev_rows, prev_sampled)
+    # --8<-- [end:execute_fast]
+
+    def _host_layout(
+        self, entries: list[BatchEntry], query_lens: np.ndarray, starts: np.ndarray,
+        num_rows: int,
+    ) -> dict[str, np.ndarray]:
+        """`build_batch`'s arithmetic, vectorised, checked, on the host only.
+
+        `num_rows >= len(entries)` rows of block table; rows past the
+        entries are all block 0 (graph padding).
+        """
+        bs, n = self.block_size, len(entries)
+        context_lens = starts + query_lens  # [S]
+        blocks_needed = -(-context_lens // bs)  # [S]
+        table_lens = np.fromiter((len(e.block_table) for e in entries), np.int64, n)
+        if (query_lens.min() < 1 or starts.min() < 0 or (table_lens < blocks_needed).any()
+                or context_lens.max() > self.model_config.max_position_embeddings):
+            self._check_entries(entries, query_lens, starts, context_lens, blocks_needed)
+        used = np.fromiter(
+            chain.from_iterable(islice(e.block_table, k)
+                                for e, k in zip(entries, blocks_needed.tolist())),
+            np.int32, int(blocks_needed.sum()),
+        )  # the blocks holding context this step, entry after entry
+        if used.min() < 1 or used.max() >= self.num_blocks:
+            self._check_entries(entries, query_lens, starts, context_lens, blocks_needed)
+        max_blocks = int(blocks_needed.max())
+        block_tables = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        # Row-major boolean assignment: row i takes the next blocks_needed[i] ids.
+        block_tables[:n][np.arange(max_blocks) < blocks_needed[:, None]] = used
+
+        num_tokens = int(query_lens.sum())
+        if num_tokens == n:  # one token per entry: no per-token expansion
+            seq_of_token, positions = np.arange(n), starts
+        else:
+            query_start = np.cumsum(query_lens) - query_lens  # [S]
+            seq_of_token = np.repeat(np.arange(n), query_lens)  # [T]
+            positions = starts[seq_of_token] + np.arange(num_tokens) - query_start[seq_of_token]
+        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + (
+            positions % bs
+        )  # [T]
+        input_ids = np.fromiter(
+            chain.from_iterable(e.token_ids for e in entries), np.int64, num_tokens
+        )
+        return {"input_ids": input_ids, "positions": positions, "slot_mapping": slot_mapping,
+                "context_lens": context_lens, "block_tables": block_tables}
+
+    # --8<-- [start:replay_decode]
+    def _replay_decode(
+        self, entries: list[BatchEntry], query_lens: np.ndarray, starts: np.ndarray,
+        sample: np.ndarray, prev_rows: np.ndarray, prev_sampled: torch.Tensor | None,
+        padded: int,
+    ) -> torch.Tensor:
+        """A decode-only step through the CUDA graph of batch size `padded`."""
+        n = len(entries)
+        host = self._host_layout(entries, query_lens, starts, num_rows=padded)
+        token_inputs = np.zeros((3, padded), dtype=np.int64)  # ids / positions / slots
+        token_inputs[2] = -1  # padded rows write nothing
+        token_inputs[0, :n] = host["input_ids"]
+        token_inputs[1, :n] = host["positions"]
+        token_inputs[2, :n] = host["slot_mapping"]
+        context_lens = np.ones(padded, dtype=np.int32)  # padded rows: one (junk) token
+        context_lens[:n] = host["context_lens"]
+        has_prev = prev_rows >= 0
+        arrays = [token_inputs, context_lens, host["block_tables"],
+                  np.flatnonzero(has_prev), prev_rows[has_prev],  # placeholder rows, sources
+                  np.flatnonzero(sample)]
+        views = self.staging.to_device(arrays)
+        token_fixes = None
+        if has_prev.any():
+            token_fixes = (views[3], prev_sampled.index_select(0, views[4]))
+        logits = self.graph_runner.run(views[0], views[1], views[2], token_fixes)
+        return logits[:n] if sample.all() else logits[views[5]]  # of [padded, vocab]
+    # --8<-- [end:replay_decode]
+
+    # --8<-- [start:run_eager]
+    def _run_eager(
+        self, entries: list[BatchEntry], query_lens: np.ndarray, starts: np.ndarray,
+        sample: np.ndarray, prev_rows: np.ndarray, prev_sampled: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Any step, eagerly, with its decodes moved to the front.
+
+        The decode kernel takes the first `num_decodes` sequences, prefill
+        attention the rest; the logits come back in the entries' order.
+        """
+        n = len(entries)
+        order = np.argsort(query_lens != 1, kind="stable")  # decodes first, else in order
+        if (order != np.arange(n)).any():
+            entries = [entries[i] for i in order]
+            query_lens, starts, prev_rows = query_lens[order], starts[order], prev_rows[order]
+        num_decodes = int((query_lens == 1).sum())
+        host = self._host_layout(entries, query_lens, starts, num_rows=n)
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        last_rows = np.empty(n, dtype=np.int64)  # last new token of each entry, entry order
+        last_rows[order] = query_start_loc[1:] - 1
+        logits_indices = last_rows[sample]  # [N]
+        prefill_start_loc = query_start_loc[num_decodes:] - query_start_loc[num_decodes]
+        context_lens = host["context_lens"]
+        has_prev = prev_rows >= 0
+        views = self.staging.to_device([
+            host["input_ids"], host["positions"], host["slot_mapping"], logits_indices,
+            query_start_loc.astype(np.int32), context_lens.astype(np.int32),
+            host["block_tables"], prefill_start_loc.astype(np.int32),
+            query_start_loc[1:][has_prev] - 1, prev_rows[has_prev],  # placeholders, sources
+        ])
+        if has_prev.any():  # placeholders: take the values the previous step sampled
+            views[0].index_copy_(0, views[8], prev_sampled.index_select(0, views[9]).long())
+        meta = CudaAttentionMetadata(
+            slot_mapping=views[2],
+            query_start_loc=views[4],
+            context_lens=views[5],
+            block_tables=views[6],
+            max_query_len=int(query_lens.max()),
+            max_context_len=int(context_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            context_lens_cpu=context_lens.tolist(),
+            num_decodes=num_decodes,
+            decode_max_context_len=int(context_lens[:num_decodes].max()) if num_decodes else 0,
+            prefill_query_start_loc=views[7] if num_decodes < n else None,
+            prefill_query_start_loc_cpu=prefill_start_loc.tolist(),
+            prefill_context_lens_cpu=context_lens[num_decodes:].tolist(),
+        )
+        hidden = self.model(views[0], views[1], self.kv_caches, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[views[3]])  # [N, vocab]
+    # --8<-- [end:run_eager]
+
+
+__all__ = ["BatchEntry", "ModelInput", "ModelRunner", "StagingBuffer"]

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from mini_vllm.sampling_params import SamplingParams
 
 
+# The value of an output token that was sampled on the device and not read back yet.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 # --8<-- [start:status]
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life.
@@ -117,6 +121,9 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first admitted.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Output tokens sampled on the device but not yet read back: always the
+        # last ones (see `append_placeholder_token`).
+        self.num_unresolved_tokens = 0
         # Hashes of the full blocks of `all_token_ids`, filled in by the
         # KV cache manager (see `kv_cache/block_hash.py`).
         self.block_hashes: list[bytes] = []
@@ -153,6 +160,35 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    # --8<-- [start:placeholders]
+    def append_placeholder_token(self) -> int:
+        """Record that a token was sampled on the device but is not on the host yet.
+
+        With async scheduling the engine plans the next step before the
+        sampled tokens are read back: the scheduler only needs to know that
+        each request has one more token, and the model runner takes the
+        token's value straight from the device. `resolve_token` fills the
+        value in once it arrives.
+
+        Returns:
+            The placeholder's index in `output_token_ids`.
+        """
+        self.append_output_token(PLACEHOLDER_TOKEN_ID)
+        self.num_unresolved_tokens += 1
+        return len(self.output_token_ids) - 1
+
+    def resolve_token(self, output_index: int, token_id: int) -> None:
+        """Replace the placeholder at `output_index` with the sampled token."""
+        self.output_token_ids[output_index] = token_id
+        self._all_token_ids[self.num_prompt_tokens + output_index] = token_id
+        self.num_unresolved_tokens -= 1
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are on the host (all but the unresolved tail)."""
+        return len(self._all_token_ids) - self.num_unresolved_tokens
+    # --8<-- [end:placeholders]
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "
@@ -162,4 +198,4 @@ class Request:
 # --8<-- [end:request]
 
 
-__all__ = ["Request", "RequestStatus"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "Request", "RequestStatus"]

@@ -31,7 +31,7 @@ from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, make_generator
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler
+from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
 from mini_vllm.stop_checker import StopChecker
 from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -141,6 +141,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, tuple[_Group, _Completion]] = {}
+        self.async_scheduling = engine_config.async_scheduling
+        self._in_flight: _Step | None = None  # launched, not read back (async scheduling)
         self.stats = {"num_requests_finished": 0, "prompt_tokens_total": 0,
                       "generation_tokens_total": 0, "num_requests_failed": 0}
 
@@ -255,24 +257,66 @@ class LLMEngine:
     # --8<-- [end:add_request]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     # --8<-- [start:step]
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return a delta for each request that progressed."""
+        """Run one engine iteration; return a delta for each request that progressed.
+
+        NOTE: with async scheduling, step N+1 is planned and launched before
+        the tokens of step N are read back, so the host's work (scheduling,
+        building inputs, detokenizing) overlaps the device's:
+
+        ```
+        host:   schedule N+1 | launch N+1 | read N, detok N, stop N | schedule N+2 | ...
+        device: ...  forward N, sample N  | forward N+1, sample N+1 | ...
+        ```
+
+        Requests sampled in step N carry a placeholder token until it is read
+        back; step N+1 takes its value on the device. A request that step N
+        finished was already launched in step N+1: that one token is wasted
+        and dropped. Without async scheduling, each step is read back at once.
+        """
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and prev.needs_values:
+            # Penalties need the previous tokens' values on the host: no overlap.
+            outputs += self._process(prev)
+            prev = None
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        entries = [
-            BatchEntry(token_ids=s.token_ids, start_pos=s.start_pos,
-                       block_table=s.block_table, sample=s.sample)
-            for s in sched.scheduled
-        ]
+        cur = self._launch(sched, prev) if sched.scheduled else None
+        if isinstance(cur, list):  # the step failed
+            outputs += cur
+            cur = None
+        if prev is not None:
+            outputs += self._process(prev)
+        if cur is not None:
+            if self.async_scheduling:
+                self._in_flight = cur
+            else:
+                outputs += self._process(cur)
+        return outputs
+    # --8<-- [end:step]
+
+    # --8<-- [start:launch]
+    def _launch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step | list[RequestOutput]:
+        """Run the model and the sampler for a scheduled step without waiting for them."""
+        entries = []
+        for s in sched.scheduled:
+            req = s.request
+            # The last token may be step `prev`'s sample, still on the device.
+            from_prev = (req.num_unresolved_tokens > 0
+                         and s.start_pos + s.num_new_tokens == req.num_tokens)
+            entries.append(BatchEntry(
+                token_ids=s.token_ids, start_pos=s.start_pos, block_table=s.block_table,
+                sample=s.sample, prev_sample_row=prev.row_of[req.request_id] if from_prev else -1,
+            ))
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
-            logits = self.model_runner.execute(entries)  # [len(sampling), V]
+            logits = self.model_runner.execute(  # [len(sampling), V]
+                entries, prev.sampled if prev is not None else None)
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
-                return []
+                return _Step([], None, {}, None, False)
             metadata = SamplingMetadata.build(
                 [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
                   c.request.output_token_ids) for _, c in sampling],
@@ -280,37 +324,53 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
             )
             sampled = self.sampler(logits, metadata)
-            token_ids = sampled.sampled_token_ids.tolist()  # the step's host sync
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep the engine alive
             logger.exception("engine step failed")
             return self._fail([s.request.request_id for s in sched.scheduled], repr(e))
+        rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
+        return _Step(
+            rows=rows,
+            host=_HostCopy(sampled),
+            row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
+            sampled=sampled.sampled_token_ids,
+            needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
+        )
+    # --8<-- [end:launch]
 
+    # --8<-- [start:process]
+    def _process(self, step: _Step) -> list[RequestOutput]:
+        """Read a launched step's tokens back (the host sync) and record them."""
+        if not step.rows:
+            return []
+        token_ids, logprobs = step.host.wait()
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        logprobs = _LogprobRows(sampled) if sampled.logprobs is not None else None
-        for row, ((group, c), token_id) in enumerate(zip(sampling, token_ids)):
+        for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
+            if c.finish_reason is not None:  # finished or aborted since it was launched
+                continue
+            c.request.resolve_token(index, token_id)
             if group.first_token_time is None:
                 group.first_token_time = now
-            self._append_token(c, token_id, logprobs, row)
+            self._record_token(c, token_id, index + 1, logprobs, row)
             touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
-    # --8<-- [end:step]
+    # --8<-- [end:process]
 
     # --8<-- [start:append_token]
-    def _append_token(
-        self, c: _Completion, token_id: int, logprobs: _LogprobRows | None, row: int
+    def _record_token(
+        self, c: _Completion, token_id: int, num_output: int, logprobs: _LogprobRows | None,
+        row: int,
     ) -> None:
-        """Record a sampled token: detokenize, check stops, finish the request if done."""
+        """Detokenize a sampled token, check the stop rules, finish the request if done."""
         req = c.request
-        req.append_output_token(token_id)
         self.stats["generation_tokens_total"] += 1
         piece = c.detokenizer.add_token(token_id)
-        result = c.stop_checker.process(token_id, piece, req.num_output_tokens)
+        result = c.stop_checker.process(token_id, piece, num_output)
         c.text += result.emit_text
         c.token_ids.append(token_id)
         if c.logprobs is not None and logprobs is not None:
             c.logprobs.append(logprobs.row(row, req.sampling_params.logprobs, self.tokenizer))
-        if result.finish_reason is None and req.num_tokens >= self.max_model_len:
+        if result.finish_reason is None and req.num_prompt_tokens + num_output >= self.max_model_len:
             result = c.stop_checker.finish("length")  # the context is full
             c.text += result.emit_text
         if result.finish_reason is not None:
@@ -393,13 +453,16 @@ class LLMEngine:
         return stats
 
 
+def _uses_penalties(p: SamplingParams) -> bool:
+    return (p.presence_penalty != 0 or p.frequency_penalty != 0
+            or (p.repetition_penalty is not None and p.repetition_penalty != 1))
+
+
 class _LogprobRows:
     """The sampler's logprob tensors on the host, read row by row."""
 
-    def __init__(self, out: SamplerOutput) -> None:
-        self.ids = out.logprobs_token_ids.tolist()
-        self.values = out.logprobs.tolist()
-        self.ranks = out.ranks.tolist()
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
+        self.ids, self.values, self.ranks = ids.tolist(), values.tolist(), ranks.tolist()
 
     def row(self, i: int, n: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
         """The sampled token's logprob and the top `n`, as `{token_id: Logprob}`."""
@@ -408,6 +471,46 @@ class _LogprobRows:
         for rank, (tid, lp) in enumerate(zip(ids[1:1 + n], values[1:1 + n]), start=1):
             entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
         return entry
+
+
+class _HostCopy:
+    """A sampler output on its way to the host.
+
+    On a GPU the copy into pinned memory is queued behind the sampler and an
+    event marks its end, so the host can go on (and launch the next step)
+    until `wait()`; on the CPU there is nothing to wait for.
+    """
+
+    def __init__(self, out: SamplerOutput) -> None:
+        tensors = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            tensors += [out.logprobs_token_ids, out.logprobs, out.ranks]
+        if out.sampled_token_ids.is_cuda:
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, dev in zip(self.tensors, tensors):
+                host.copy_(dev, non_blocking=True)
+            self.event: torch.cuda.Event | None = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensors, self.event = tensors, None
+
+    def wait(self) -> tuple[list[int], _LogprobRows | None]:
+        if self.event is not None:
+            self.event.synchronize()  # the step's one host sync
+        token_ids = self.tensors[0].tolist()
+        logprobs = _LogprobRows(*self.tensors[1:]) if len(self.tensors) > 1 else None
+        return token_ids, logprobs
+
+
+@dataclass
+class _Step:
+    """A launched step: who sampled (and where their placeholder is), and the results."""
+
+    rows: list[tuple[_Group, _Completion, int]]  # (group, completion, output index)
+    host: _HostCopy | None
+    row_of: dict[str, int]  # child request id -> row of `sampled`
+    sampled: torch.Tensor | None  # [rows] on the device, read by the next step
+    needs_values: bool  # a row uses penalties: read it back before the next schedule
 
 
 __all__ = ["LLMEngine", "ProcessedRequest", "load_generation_config"]

@@ -56,7 +56,10 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> Block
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_tokens: int | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks of `token_ids` not hashed yet.
 
@@ -68,11 +71,14 @@ def extend_block_hashes(
         block_hashes: hashes computed so far; extended in place.
         token_ids: all the tokens of the sequence.
         block_size: tokens per block.
+        num_tokens: hash only the blocks within the first `num_tokens` tokens
+            (default: all); tokens whose values are not known yet (async
+            scheduling) must not be hashed.
 
     Returns:
         `block_hashes`, now one hash per full block of `token_ids`.
     """
-    num_full_blocks = len(token_ids) // block_size
+    num_full_blocks = (len(token_ids) if num_tokens is None else num_tokens) // block_size
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
     for i in range(len(block_hashes), num_full_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])

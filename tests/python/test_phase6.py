@@ -204,11 +204,11 @@ def test_step_failure_fails_its_requests_and_engine_keeps_serving(tiny_model_dir
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky(entries):
+    def flaky(entries, prev_sampled=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(entries)
+        return real_execute(entries, prev_sampled)
 
     runner.execute = flaky
     try:
@@ -262,3 +262,36 @@ def test_shutdown_ends_requests_in_flight(tiny_model_dir):
 
     asyncio.run(main())
     assert not llm.is_running
+
+
+# --- async scheduling: the next step is planned before this one's tokens are read --------
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(num_gpu_blocks_override=11, max_model_len=160),  # preemptions
+    dict(max_num_batched_tokens=8),  # chunked prefill
+])
+def test_async_scheduling_gives_the_same_outputs(tiny_model_dir, engine_args):
+    """Placeholders, late stop checks and dropped extra tokens change no output."""
+    prompts = PROMPTS[:6] + ["The quick brown fox " * 5] * 2
+    params = _mixed_params()[:6] + [
+        SamplingParams(temperature=0, max_tokens=30, stop=[" the", "e"]),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, logprobs=2),
+    ]
+    args = {**ENGINE_ARGS, "max_model_len": 512, **engine_args}
+    sync = LLM(str(tiny_model_dir), **args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dir), async_scheduling=True, **args)
+    assert llm.engine.async_scheduling
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(sync, got):
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in a.outputs] == \
+               [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):  # batch shapes differ: values to rounding
+            assert (ca.logprobs is None) == (cb.logprobs is None)
+            for la, lb in zip(ca.logprobs or [], cb.logprobs or []):
+                assert {t: x.rank for t, x in la.items()} == {t: x.rank for t, x in lb.items()}
+                for t in la:
+                    assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+    mgr = llm.engine.kv_cache_manager
+    assert mgr.num_free_blocks == mgr.num_blocks
+    assert not llm.engine.has_unfinished_requests()

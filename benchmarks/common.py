@@ -1,0 +1,626 @@
+"""Pieces every benchmark shares: the workload, the hardware floor, measurements, output.
+
+- `make_workload` draws the offline workload of the book's benchmark chapter (256 requests,
+  prompts of 100-1024 random token ids, 100-1024 output tokens each) exactly as the
+  community's scripts draw it, so that its token counts (142,827 prompt / 133,966 output)
+  prove it is the same workload.
+- `ModelShape` and `throughput_floor` turn a model's shape and a workload into the bytes
+  that must cross memory (KV reads, KV writes, weight reads) and, over a measured copy
+  bandwidth, the shortest time any engine could take.
+- `measure_copy_bandwidth` and `measure_matmul_flops` measure the machine in the same run.
+- `prepare_model_dir`, `run_worker`, `environment`, `write_json` and `format_table` are the
+  plumbing: a random-weight checkpoint directory, one backend per subprocess, and results
+  as JSON plus a table.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+# The offline workload: (lo, hi) ranges of Python's random.randint, inclusive.
+DEFAULT_NUM_REQUESTS = 256
+DEFAULT_INPUT_LEN = (100, 1024)
+DEFAULT_OUTPUT_LEN = (100, 1024)
+DEFAULT_TOKEN_ID_MAX = 10000
+DEFAULT_SEED = 0
+# What the default draw gives; a benchmark that checks these runs the same requests as
+# every other engine's published figure on this workload.
+DEFAULT_PROMPT_TOKENS = 142_827
+DEFAULT_OUTPUT_TOKENS = 133_966
+TEMPERATURE = 0.6
+
+
+# --8<-- [start:workload]
+@dataclass(frozen=True)
+class Workload:
+    """A list of requests: prompt token ids and how many tokens each must generate.
+
+    Attributes:
+        prompts: one token-id list per request.
+        max_tokens: output tokens per request (generated in full: EOS is ignored).
+    """
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def summary(self) -> dict[str, int]:
+        """Counts for a report."""
+        return {"num_requests": self.num_requests, "prompt_tokens": self.num_prompt_tokens,
+                "output_tokens": self.num_output_tokens,
+                "max_prompt_len": max(len(p) for p in self.prompts),
+                "max_output_len": max(self.max_tokens)}
+
+
+def make_workload(num_requests: int = DEFAULT_NUM_REQUESTS,
+                  input_len: tuple[int, int] = DEFAULT_INPUT_LEN,
+                  output_len: tuple[int, int] = DEFAULT_OUTPUT_LEN,
+                  seed: int = DEFAULT_SEED,
+                  vocab_size: int | None = None) -> Workload:
+    """Draw the offline workload.
+
+    The order of the draws is part of the definition: with `random.seed(seed)`, first
+    every prompt (its length `randint(*input_len)`, then its tokens, each
+    `randint(0, 10000)`), then every request's `max_tokens = randint(*output_len)`.
+    A private `random.Random` gives the same stream as the module-level functions after
+    `random.seed`, without touching the global state.
+
+    Args:
+        num_requests: how many requests.
+        input_len: inclusive range of prompt lengths.
+        output_len: inclusive range of output lengths.
+        seed: the seed of the draw.
+        vocab_size: a model vocabulary smaller than 10001 (the tiny test model) folds
+            each id into it (`id % vocab_size`) after the draw, so that lengths and
+            output counts stay those of the standard draw.
+
+    Raises:
+        ValueError: for an empty workload or an empty / negative range.
+    """
+    if num_requests <= 0:
+        raise ValueError(f"num_requests must be positive, got {num_requests}")
+    for name, (lo, hi) in (("input_len", input_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must satisfy 1 <= lo <= hi, got ({lo}, {hi})")
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, DEFAULT_TOKEN_ID_MAX) for _ in range(rng.randint(*input_len))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
+    if vocab_size is not None and vocab_size <= DEFAULT_TOKEN_ID_MAX:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return Workload(prompts=prompts, max_tokens=max_tokens)
+# --8<-- [end:workload]
+
+
+def is_default_workload(num_requests: int, input_len: Sequence[int],
+                        output_len: Sequence[int], seed: int) -> bool:
+    """Whether these arguments draw the standard workload (whose counts are known)."""
+    return (num_requests == DEFAULT_NUM_REQUESTS and tuple(input_len) == DEFAULT_INPUT_LEN
+            and tuple(output_len) == DEFAULT_OUTPUT_LEN and seed == DEFAULT_SEED)
+
+
+def check_default_workload(workload: Workload) -> None:
+    """Raise unless `workload` has the standard draw's token counts.
+
+    Raises:
+        ValueError: naming both counts, when either differs.
+    """
+    got = (workload.num_prompt_tokens, workload.num_output_tokens)
+    want = (DEFAULT_PROMPT_TOKENS, DEFAULT_OUTPUT_TOKENS)
+    if got != want:
+        raise ValueError(f"the workload draw gave {got[0]:,} prompt / {got[1]:,} output "
+                         f"tokens; the standard workload has {want[0]:,} / {want[1]:,}")
+
+
+# --8<-- [start:model_shape]
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Qwen3 model that decide how many bytes and FLOPs it costs.
+
+    Attributes:
+        num_layers: decoder layers.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of the MLP.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA: fewer than query heads).
+        head_dim: width of one head.
+        vocab_size: rows of the embedding and the output projection.
+        tie_word_embeddings: the output projection is the embedding.
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        """From a Hugging Face Qwen3 `config.json` dict."""
+        heads = config["num_attention_heads"]
+        return cls(
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
+        """From a checkpoint directory's `config.json`."""
+        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token across all layers: layers x 2 x kv_heads x head_dim x bytes."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matmuls (q, k, v, o, gate, up, down); norms are negligible."""
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """Every stored parameter (a tied embedding counted once)."""
+        norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_matmul_params + norms + embeddings
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes a decode step reads from the weights: all of them once.
+
+        The embedding lookup touches only a few rows, but the output projection reads
+        the whole `[vocab, hidden]` matrix; tied or not, that is one matrix of that size
+        plus everything else, which is `num_params` for a tied model and
+        `num_params - vocab x hidden` (the unread embedding) for an untied one.
+        """
+        unread = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return (self.num_params - unread) * dtype_bytes
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """FLOPs of a prompt's prefill: matmuls for every token, causal attention, one
+        row of logits (2 FLOPs per multiply-add)."""
+        matmuls = 2.0 * self.num_layers * self.layer_matmul_params * prompt_len
+        # QK^T and PV: token i attends to i + 1 positions, 2 x 2 x head_dim FLOPs each.
+        pairs = prompt_len * (prompt_len + 1) / 2
+        attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * pairs
+        logits = 2.0 * self.vocab_size * self.hidden_size
+        return matmuls + attention + logits
+# --8<-- [end:model_shape]
+
+
+# --8<-- [start:floor]
+def decode_steps(max_tokens: Sequence[int], max_num_seqs: int) -> int:
+    """Engine steps needed to generate every request's tokens, at most `max_num_seqs`
+    at a time, one token per running request per step.
+
+    With every request in one batch that is the longest request's length. Otherwise
+    requests take the first free slot in order (a request that finishes frees its slot
+    for the next step): the time the last slot frees.
+    """
+    if len(max_tokens) <= max_num_seqs:
+        return max(max_tokens)
+    slots = [0] * max_num_seqs  # the step at which each slot becomes free
+    for m in max_tokens:
+        heapq.heappush(slots, heapq.heappop(slots) + m)
+    return max(slots)
+
+
+def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
+                     bandwidth: float, max_num_seqs: int = 256,
+                     matmul_flops_per_s: float | None = None) -> dict[str, Any]:
+    """The least time the workload's memory traffic can take at `bandwidth`.
+
+    Bytes that must cross memory, with the KV cache in the model's dtype:
+
+    - KV reads: output token `i` of a request with prompt length `p` (i = 0..m-1)
+      attends to `p + i + 1` tokens and reads each one's K and V once (once per KV
+      head, shared by the query heads of its group);
+    - KV writes: every prompt and output token's K and V, once;
+    - weight reads: all weights once per decode step (`decode_steps`).
+
+    Args:
+        workload: the requests.
+        shape: the model.
+        dtype_bytes: bytes per weight and per cached K/V value.
+        bandwidth: measured copy bandwidth, bytes per second (bytes read + written).
+        max_num_seqs: largest batch (decides the number of decode steps).
+        matmul_flops_per_s: a measured matmul rate, to report the compute floor too.
+
+    Returns:
+        The byte counts, `floor_s` (bytes / bandwidth) and `floor_output_tok_s`.
+    """
+    kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
+    # sum_{i=0}^{m-1} (p + i + 1) = m p + m (m + 1) / 2
+    kv_read_tokens = sum(m * len(p) + m * (m + 1) // 2
+                         for p, m in zip(workload.prompts, workload.max_tokens))
+    kv_write_tokens = workload.num_prompt_tokens + workload.num_output_tokens
+    steps = decode_steps(workload.max_tokens, max_num_seqs)
+    weight_bytes = shape.weight_bytes(dtype_bytes)
+    kv_read = kv_read_tokens * kv_per_token
+    kv_write = kv_write_tokens * kv_per_token
+    weight_read = steps * weight_bytes
+    total = kv_read + kv_write + weight_read
+    floor_s = total / bandwidth
+    result: dict[str, Any] = {
+        "kv_bytes_per_token": kv_per_token,
+        "kv_read_bytes": kv_read,
+        "kv_write_bytes": kv_write,
+        "weight_bytes": weight_bytes,
+        "decode_steps": steps,
+        "weight_read_bytes": weight_read,
+        "total_bytes": total,
+        "bandwidth_bytes_per_s": bandwidth,
+        "floor_s": floor_s,
+        "floor_output_tok_s": workload.num_output_tokens / floor_s,
+    }
+    if matmul_flops_per_s:
+        # Every prompt and output token goes through the matmuls once; attention FLOPs
+        # follow the KV reads (2 x 2 x head_dim per query head per context token).
+        tokens = kv_write_tokens
+        flops = (2.0 * shape.num_layers * shape.layer_matmul_params * tokens
+                 + 2.0 * shape.vocab_size * shape.hidden_size * workload.num_output_tokens
+                 + 4.0 * shape.num_heads * shape.head_dim * shape.num_layers * kv_read_tokens)
+        result.update(flops=flops, matmul_flops_per_s=matmul_flops_per_s,
+                      compute_floor_s=flops / matmul_flops_per_s)
+    return result
+# --8<-- [end:floor]
+
+
+def _median_time(fn: Callable[[], None], device: Any, iters: int, warmup: int) -> list[float]:
+    """Seconds per call of `fn`, each call timed on its own (CUDA events on a GPU)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+# --8<-- [start:copy_bandwidth]
+def measure_copy_bandwidth(device: str = "cuda", nbytes: int | None = None,
+                           iters: int = 10) -> dict[str, Any]:
+    """Measure a large same-device copy: bytes read + written per second.
+
+    A copy is the simplest kernel that streams memory at full speed; it reads `nbytes`
+    and writes `nbytes`, and we count both, as the floor's byte counts do. Buffers are
+    far larger than any cache (1 GiB on a GPU, 256 MiB on the CPU).
+
+    Args:
+        device: `cuda`, `cuda:N` or `cpu`.
+        nbytes: size of the source buffer.
+        iters: timed copies (after two untimed ones); the median is reported.
+
+    Returns:
+        `bandwidth_bytes_per_s` (2 x nbytes / median time) and the timings.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if nbytes is None:
+        nbytes = 2**30 if dev.type == "cuda" else 2**28
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    copy = functools.partial(dst.copy_, src)
+    times = _median_time(copy, dev, iters, warmup=2)
+    median = statistics.median(times)
+    del src, dst, copy
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": str(dev), "bytes_copied": nbytes, "bytes_moved": 2 * nbytes,
+            "median_s": median, "times_s": times, "bandwidth_bytes_per_s": 2 * nbytes / median}
+# --8<-- [end:copy_bandwidth]
+
+
+def measure_matmul_flops(device: str = "cuda", dtype: str = "bfloat16", n: int | None = None,
+                         iters: int = 10) -> dict[str, Any]:
+    """Measure a square matmul's rate: `2 n^3` FLOPs over its median time.
+
+    Args:
+        device: `cuda`, `cuda:N` or `cpu`.
+        dtype: the operands' dtype name.
+        n: the matrices' size (8192 on a GPU, 512 on the CPU).
+        iters: timed matmuls after two untimed ones.
+    """
+    import torch
+
+    from mini_vllm.config import resolve_dtype
+
+    dev = torch.device(device)
+    n = n or (8192 if dev.type == "cuda" else 512)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, generator=gen).to(resolve_dtype(dtype))
+    b = torch.randn(n, n, device=dev, generator=gen).to(resolve_dtype(dtype))
+    matmul = functools.partial(torch.mm, a, b)
+    times = _median_time(matmul, dev, iters, warmup=2)
+    median = statistics.median(times)
+    del a, b, matmul
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": str(dev), "dtype": dtype, "n": n, "median_s": median,
+            "flops_per_s": 2.0 * n**3 / median}
+
+
+def resolve_device(device: str) -> str:
+    """`auto` becomes `cuda` when a GPU is visible, else `cpu`."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (the engine's rule)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per value of a dtype name."""
+    from mini_vllm.config import resolve_dtype
+
+    return resolve_dtype(dtype).itemsize
+
+
+def has_weights(model_dir: Path) -> bool:
+    """Whether a checkpoint directory holds safetensors weights."""
+    return any(Path(model_dir).glob("*.safetensors"))
+
+
+def prepare_model_dir(model: str | None, preset: str, work_dir: Path,
+                      write_weights: bool = False, seed: int = 0) -> tuple[Path, str]:
+    """The checkpoint directory to benchmark and the load format it needs.
+
+    A `model` directory is used as it is. Otherwise a random-weight `preset` is written
+    into `work_dir`: only `config.json`, the generation config and the tokenizer for a
+    large preset (the engine fills weights with random values, `load_format="dummy"`),
+    real safetensors weights for the tiny presets or when `write_weights` is set.
+
+    Returns:
+        `(model_dir, load_format)` with `load_format` `"auto"` when the directory holds
+        weights, `"dummy"` when it does not.
+    """
+    from mini_vllm.checkpoint import make_model
+
+    if model is not None:
+        model_dir = Path(model).expanduser().resolve()
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir}/config.json not found: --model must be a "
+                                    "Hugging Face Qwen3 checkpoint directory")
+    else:
+        weights = write_weights or preset.startswith("tiny")
+        model_dir = make_model(work_dir / preset, preset=preset, seed=seed, weights=weights)
+    return model_dir, ("auto" if has_weights(model_dir) else "dummy")
+
+
+def load_hf_model(model_dir: str | Path, dtype: str, device: str, attn_implementation: str,
+                  load_format: str = "auto") -> Any:
+    """A transformers `AutoModelForCausalLM` of the checkpoint, on `device`, in eval mode.
+
+    A directory with weights (and `load_format` not `dummy`) is loaded; otherwise the
+    model is built from `config.json` with transformers' own random init, directly on
+    the device (the same shapes; values do not change speed). An attention
+    implementation with the `paged|` prefix that this transformers version no longer
+    knows is retried without it.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mini_vllm.config import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype)
+
+    def load(attn: str) -> Any:
+        if has_weights(Path(model_dir)) and load_format != "dummy":
+            return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype,
+                                                        attn_implementation=attn)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)),
+                                                    dtype=torch_dtype, attn_implementation=attn)
+
+    try:
+        model = load(attn_implementation)
+    except (ValueError, ImportError):
+        if not attn_implementation.startswith("paged|"):
+            raise
+        model = load(attn_implementation.removeprefix("paged|"))
+    return model.to(device).eval()
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for child processes: the repository importable even when the
+    package is not installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"))
+                                        if p)
+    return env
+
+
+def kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a child started with `start_new_session=True` and everything it spawned:
+    SIGTERM, then SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_worker(script: Path, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
+    """Run `python script *argv --worker-output FILE` in a fresh process; return FILE's JSON.
+
+    One backend per process: each starts with an empty GPU, and a crash, an
+    out-of-memory kill or a hang costs that backend's result, not the run. The worker's
+    output goes to this process's stdout/stderr as it comes.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(script), *argv, "--worker-output", str(out)]
+        proc = subprocess.Popen(cmd, env=subprocess_env(), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_process_group(proc)
+            return {"status": "error", "error": f"timed out after {timeout_s:.0f} s"}
+        finally:
+            kill_process_group(proc)  # its own children (vLLM's engine processes ...)
+        if out.is_file():
+            return json.loads(out.read_text())
+        return {"status": "error", "error": f"worker exited with status {rc} and no result "
+                                            "(see its output above)"}
+
+
+def module_version(name: str) -> str | None:
+    """An installed distribution's version, or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What a result depends on: software versions, the device, the commit, the time."""
+    import torch
+
+    env: dict[str, Any] = {
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": module_version("transformers"),
+        "vllm": module_version("vllm"),
+        "nano-vllm": module_version("nano-vllm") or module_version("nanovllm"),
+        "device": device,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        env["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+            timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    return env
+
+
+def write_json(path: str | Path, obj: dict[str, Any]) -> Path:
+    """Write `obj` as indented JSON, creating the parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return repr(obj)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of `rows` (dicts) with the given columns; floats get 4
+    significant digits (more before the point), None becomes `-`."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return str(v)
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c)
+              for i, c in enumerate(columns)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(b, widths)) + " |" for b in body]
+    return "\n".join(lines)
+
+
+def error_text(exc: BaseException) -> str:
+    """One line for a JSON report: the exception's type and message."""
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0] if msg else ''}"[:2000]
+
+
+__all__ = [
+    "DEFAULT_OUTPUT_TOKENS", "DEFAULT_PROMPT_TOKENS", "ModelShape", "Workload",
+    "check_default_workload", "decode_steps", "dtype_bytes", "environment", "error_text",
+    "format_table", "has_weights", "is_default_workload", "kill_process_group", "load_hf_model",
+    "make_workload", "measure_copy_bandwidth", "measure_matmul_flops", "prepare_model_dir",
+    "resolve_device", "resolve_dtype_name", "run_worker", "subprocess_env",
+    "throughput_floor", "write_json",
+]

@@ -1,0 +1,349 @@
+"""Where one decode step's time goes, against the step's floor.
+
+Two views of a decode step of `--batch` sequences with `--context` tokens each:
+
+1. The model runner alone (random Qwen3-0.6B weights, a KV cache of random
+   values): the CUDA-graph replay on the GPU, the eager forward, the host
+   work of building the batch, the sampler, and the GPU kernels by category
+   (torch.profiler over eager forwards, whose kernels are the graph's).
+   The floor is the bytes a step must move (every context token's K and V
+   once, the new tokens' K/V written once, the weights once) over a copy
+   bandwidth measured in the same run.
+2. The whole engine (`LLMEngine.step`) on the same batch shape: the step's
+   wall time as configured (async scheduling overlaps host and GPU), then,
+   with a sync after the sampler, split into schedule, building entries, the
+   runner's host work, sampling metadata, the sampler, waiting for the GPU,
+   and the host work after it (token bookkeeping, detokenisation, outputs).
+
+    python benchmarks/step_profile.py                          # batch 256, context 1024
+    python benchmarks/step_profile.py --batch 1 --no-engine    # latency view
+
+Results: a table on stdout and JSON in `--output`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mini_vllm` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    RESULTS_DIR,
+    environment,
+    format_table,
+    measure_copy_bandwidth,
+    prepare_model_dir,
+    write_json,
+)
+from mini_vllm.config import EngineArgs
+from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
+
+_KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
+    ("decode attention", ("paged_attention", "decode")),
+    ("KV write", ("reshape_and_cache", "cache_kernel")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("norms / rope / activations", ("elementwise", "reduce", "vectorized", "cat", "index",
+                                    "silu", "pow", "mean", "rsqrt")),
+)
+
+
+def _ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def _categorise(name: str) -> str:
+    low = name.lower()
+    for category, keys in _KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def kernel_breakdown(fn: Any, steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """GPU time per step by category and the top kernels (ms), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms = event.time_range.elapsed_us() / 1e3
+            per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
+    categories: dict[str, float] = {}
+    for name, ms in per_kernel.items():
+        cat = _categorise(name)
+        categories[cat] = categories.get(cat, 0.0) + ms / steps
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return categories, [{"kernel": n[:90], "ms_per_step": ms / steps} for n, ms in top]
+
+
+def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
+                   bandwidth: float) -> dict[str, Any]:
+    """The runner-level view (see the module docstring)."""
+    steps, batch, context, bs = ns.steps, ns.batch, ns.context, 16
+    blocks_per_seq = -(-(context + steps + 1) // bs)
+    runner = ModelRunner(EngineArgs(
+        model=str(model_dir), device="cuda", dtype="bfloat16", load_format=load_format,
+        block_size=bs, max_num_seqs=batch, max_model_len=ns.max_model_len,
+        num_gpu_blocks_override=batch * blocks_per_seq + 1,
+    ).create_engine_config())
+    runner.kv_cache.normal_()  # never time on zeros
+    rng = random.Random(0)
+    ids = list(range(1, runner.num_blocks))
+    rng.shuffle(ids)
+    tables = [ids[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+
+    def entries(step: int) -> list[BatchEntry]:
+        return [BatchEntry([rng.randrange(10000)], context - 1 + step % steps, t) for t in tables]
+
+    params = SamplingParams(temperature=0.6, top_p=1.0, top_k=0, ignore_eos=True)
+    rows = [(params, None, [], [])] * batch
+    sampler = Sampler()
+    result: dict[str, Any] = {"batch": batch, "context": context,
+                              "attention": runner.attn_backend.describe()}
+    for _ in range(3):  # warm-up
+        sampler(runner.execute(entries(0)), SamplingMetadata.build(
+            rows, runner.device, runner.vocab_size)).sampled_token_ids.tolist()
+
+    # The whole step, phase by phase, host clock (the GPU wait is the .tolist()).
+    phases: dict[str, list[float]] = {k: [] for k in
+                                      ("execute_host", "sampling_metadata", "sampler_host",
+                                       "wait_gpu", "step_wall")}
+    for step in range(steps):
+        batch_entries = entries(step)
+        t0 = time.perf_counter()
+        logits = runner.execute(batch_entries)
+        t1 = time.perf_counter()
+        meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+        t2 = time.perf_counter()
+        out = sampler(logits, meta)
+        t3 = time.perf_counter()
+        out.sampled_token_ids.tolist()
+        t4 = time.perf_counter()
+        for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            phases[key].append(value)
+    result.update({f"{k}_ms": _ms(v) for k, v in phases.items()})
+
+    # GPU time of the graph replay alone, and of the eager forward.
+    graph_bs = runner.graph_runner.padded_size(batch) if runner.graph_runner else None
+    if graph_bs is not None:
+        graph = runner.graph_runner.graphs[graph_bs]
+        result["graph_replay_gpu_ms"] = _event_ms(graph.replay, steps)
+    result["eager_forward_ms"] = _event_ms(
+        lambda: runner.execute_fast(entries(0), use_graph=False), steps)
+    logits = runner.execute(entries(0))
+    meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+    result["sampler_gpu_ms"] = _event_ms(lambda: sampler(logits, meta), steps)
+    try:
+        categories, top = kernel_breakdown(
+            lambda: runner.execute_fast(entries(0), use_graph=False), 5)
+    except Exception as e:  # noqa: BLE001 - the profiler is a nicety: keep the timings
+        categories, top = {}, [{"kernel": f"profiler failed: {e!r}"[:90]}]
+    result["gpu_ms_by_category"] = categories
+    result["top_kernels"] = top
+
+    # The floor of a decode step.
+    cfg = runner.model_config
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_read = batch * context * kv_per_token
+    floor_bytes = kv_read + batch * kv_per_token + weight_bytes
+    result.update({"kv_read_bytes": kv_read, "weight_bytes": weight_bytes,
+                   "floor_ms": 1e3 * floor_bytes / bandwidth,
+                   "kv_floor_ms": 1e3 * kv_read / bandwidth})
+    if "graph_replay_gpu_ms" in result:
+        result["graph_fraction_of_floor"] = result["floor_ms"] / result["graph_replay_gpu_ms"]
+    attn = categories.get("decode attention")
+    if attn:
+        result["decode_attention_fraction_of_kv_floor"] = result["kv_floor_ms"] / attn
+    return result
+
+
+def _event_ms(fn: Any, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rms_norm_variants(batch: int, hidden: int, heads: int, head_dim: int) -> dict[str, float]:
+    """GPU microseconds of one RMSNorm call, as the model writes it and fused by torch.
+
+    Each variant runs 100 times inside a CUDA graph, so launch gaps do not
+    count: this is the kernels' own time, what a decode graph pays per norm
+    (a step of Qwen3-0.6B has 4 x 28 + 1 of them).
+    """
+    from mini_vllm.models.qwen3 import RMSNorm
+
+    results = {}
+    for name, shape, dim in (("hidden", (batch, hidden), hidden),
+                             ("per_head", (batch, heads, head_dim), head_dim)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        norm = RMSNorm(dim, 1e-6, device="cuda", dtype=torch.bfloat16)
+        w = norm.weight
+        variants = {
+            "model": lambda x=x, norm=norm: norm(x),
+            "fused_fp32_then_weight": lambda x=x, w=w, dim=dim: w * F.rms_norm(
+                x.float(), (dim,), eps=1e-6).to(x.dtype),
+            "fused_bf16_with_weight": lambda x=x, w=w, dim=dim: F.rms_norm(
+                x, (dim,), w, eps=1e-6),
+        }
+        for vname, fn in variants.items():
+            with torch.inference_mode():
+                fn()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(100):
+                        fn()
+                results[f"{name}_{vname}_us"] = 1e3 * _event_ms(graph.replay, 10) / 100
+    return results
+
+
+def profile_engine(model_dir: Path, load_format: str, ns: argparse.Namespace) -> dict[str, Any]:
+    """The engine-level view: `LLMEngine.step()` split by timestamps around its parts."""
+    from mini_vllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(
+        model=str(model_dir), device="cuda", dtype="bfloat16", load_format=load_format,
+        max_num_seqs=ns.batch, max_model_len=ns.max_model_len,
+    ).create_engine_config())
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.6, top_p=1.0, top_k=0, ignore_eos=True,
+                            max_tokens=ns.steps * 4 + 16)
+    for i in range(ns.batch):
+        engine.add_request(str(i), [rng.randrange(10000) for _ in range(ns.context)], params)
+    while engine.scheduler.get_stats().num_waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()  # prefill everything
+    for _ in range(3):
+        engine.step()
+    # As it runs (with async scheduling the host plans step N+1 while the GPU runs N).
+    walls = []
+    for _ in range(ns.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+
+    # Then split: a sync after the sampler separates host work from GPU time
+    # (and so turns the overlap off while it measures).
+    marks: dict[str, float] = {}
+
+    def timed(name: str, fn: Any, sync: bool = False) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            marks[f"{name}_start"] = time.perf_counter()
+            out = fn(*args, **kwargs)
+            marks[f"{name}_end"] = time.perf_counter()
+            if sync:
+                torch.cuda.synchronize()
+                marks[f"{name}_synced"] = time.perf_counter()
+            return out
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.model_runner.execute = timed("execute", engine.model_runner.execute)
+    engine.sampler = timed("sampler", engine.sampler, sync=True)
+    parts: dict[str, list[float]] = {k: [] for k in (
+        "schedule", "build_entries", "execute_host", "sampling_metadata", "sampler_host",
+        "wait_gpu", "postprocess", "step_wall")}
+    for _ in range(ns.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        m = marks
+        for key, value in (
+            ("schedule", m["schedule_end"] - m["schedule_start"]),
+            ("build_entries", m["execute_start"] - m["schedule_end"]),
+            ("execute_host", m["execute_end"] - m["execute_start"]),
+            ("sampling_metadata", m["sampler_start"] - m["execute_end"]),
+            ("sampler_host", m["sampler_end"] - m["sampler_start"]),
+            ("wait_gpu", m["sampler_synced"] - m["sampler_end"]),
+            ("postprocess", t1 - m["sampler_synced"]),
+            ("step_wall", t1 - t0),
+        ):
+            parts[key].append(value)
+    running, engine_async = len(engine.scheduler.running), engine.config.async_scheduling
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"batch": running, "context": ns.context, "async": engine_async,
+            "step_wall_as_configured_ms": _ms(walls),
+            **{f"{k}_ms": _ms(v) for k, v in parts.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a checkpoint directory (default: --preset)")
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
+                   help="also profile LLMEngine.step()")
+    p.add_argument("--output", default=str(RESULTS_DIR / "step_profile.json"))
+    ns = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("step_profile needs a CUDA GPU")
+    copy = measure_copy_bandwidth("cuda")
+    bandwidth = copy["bandwidth_bytes_per_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp))
+        runner = profile_runner(model_dir, load_format, ns, bandwidth)
+        gc.collect()  # free the first runner's KV cache and graphs before the engine's
+        torch.cuda.empty_cache()
+        try:
+            runner["rms_norm_us"] = rms_norm_variants(ns.batch, 1024, 16, 128)
+        except Exception as e:  # noqa: BLE001 - a side measurement
+            runner["rms_norm_us"] = {"error": repr(e)}
+        engine = None
+        if ns.engine:
+            try:
+                engine = profile_engine(model_dir, load_format, ns)
+            except Exception as e:  # noqa: BLE001 - report the runner's numbers even so
+                engine = {"error": repr(e)}
+    result = {"environment": environment("cuda"), "copy_bandwidth_bytes_per_s": bandwidth,
+              "runner": runner, "engine": engine}
+    path = write_json(ns.output, result)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; results in {path}")
+    print(f"GPU ms per step by category: {runner['gpu_ms_by_category']}")
+    print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
+    print(f"RMSNorm variants (us per call): {runner['rms_norm_us']}")
+    cols = ["batch", "context", "floor_ms", "graph_replay_gpu_ms", "eager_forward_ms",
+            "execute_host_ms", "sampling_metadata_ms", "sampler_host_ms", "sampler_gpu_ms",
+            "wait_gpu_ms", "step_wall_ms"]
+    print(format_table([runner], cols))
+    if engine is not None and "error" in engine:
+        print(f"engine profile failed: {engine['error']}")
+    elif engine is not None:
+        print(format_table([engine], ["batch", "context", "async", "step_wall_as_configured_ms",
+                                      "schedule_ms", "build_entries_ms", "execute_host_ms",
+                                      "sampling_metadata_ms", "sampler_host_ms", "wait_gpu_ms",
+                                      "postprocess_ms", "step_wall_ms"]))
+
+
+if __name__ == "__main__":
+    main()

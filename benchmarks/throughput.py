@@ -1,0 +1,480 @@
+"""Offline throughput: output tokens per second on the standard 256-request workload.
+
+What it measures: the wall time of one `generate` call over all requests (after one
+untimed warm-up request) for each backend, the output tokens per second that gives, the
+ratio between the backends, and how close each comes to the workload's floor: the bytes
+that must cross memory (KV reads and writes, one read of the weights per decode step)
+over a copy bandwidth measured at the start of the same run.
+
+The workload (see `common.make_workload`): 256 requests drawn after `random.seed(0)`,
+prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
+temperature 0.6, EOS ignored; 142,827 prompt and 133,966 output tokens, checked.
+
+On a GPU (random Qwen3-0.6B weights, bf16; every backend in its own process):
+
+    python benchmarks/throughput.py                      # mini-vllm, transformers, vllm, nano-vllm
+    python benchmarks/throughput.py --backends mini-vllm --output benchmarks/results/mine.json
+    python benchmarks/throughput.py --model ./qwen3      # a real checkpoint directory
+
+Backends that are not installed (vllm, nano-vllm) are skipped with the reason; a backend
+that fails records its error in the JSON and the others still run.
+
+On a CPU (a smoke run of the tiny model, seconds):
+
+    python benchmarks/throughput.py --preset tiny --num-requests 8 --max-tokens-range 8 16 \\
+        --input-len-range 16 64 --backends mini-vllm --device cpu
+
+Results: a table on stdout (last) and JSON in `--output`
+(default `benchmarks/results/throughput.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mini_vllm` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (
+    DEFAULT_INPUT_LEN,
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_OUTPUT_LEN,
+    DEFAULT_SEED,
+    RESULTS_DIR,
+    TEMPERATURE,
+    ModelShape,
+    Workload,
+    check_default_workload,
+    dtype_bytes,
+    environment,
+    error_text,
+    format_table,
+    has_weights,
+    is_default_workload,
+    load_hf_model,
+    make_workload,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    module_version,
+    prepare_model_dir,
+    resolve_device,
+    resolve_dtype_name,
+    run_worker,
+    throughput_floor,
+    write_json,
+)
+
+BACKENDS = ("mini-vllm", "transformers", "vllm", "nano-vllm")
+_WARMUP_PROMPT_LEN = 64
+_WARMUP_MAX_TOKENS = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="a Hugging Face Qwen3 checkpoint directory (default: --preset)")
+    model.add_argument("--preset", default="qwen3-0.6b",
+                       help="random-weight preset when --model is not given: qwen3-0.6b, "
+                            "qwen3-8b, tiny")
+    model.add_argument("--write-weights", action="store_true",
+                       help="write the preset's random weights to disk instead of having "
+                            "the engines make them up (load_format dummy)")
+    model.add_argument("--load-format", default=None, choices=("auto", "dummy"),
+                       help="override: dummy = random weights, auto = read the checkpoint")
+    work = p.add_argument_group("workload")
+    work.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS)
+    work.add_argument("--input-len-range", type=int, nargs=2, default=list(DEFAULT_INPUT_LEN),
+                      metavar=("LO", "HI"), help="prompt lengths, randint(LO, HI)")
+    work.add_argument("--max-tokens-range", type=int, nargs=2,
+                      default=list(DEFAULT_OUTPUT_LEN), metavar=("LO", "HI"),
+                      help="output lengths, randint(LO, HI)")
+    work.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the draw")
+    run = p.add_argument_group("run")
+    run.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    run.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    run.add_argument("--dtype", default="auto",
+                     choices=("auto", "bfloat16", "float16", "float32"))
+    run.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                     help="run each backend in its own process (default: on a GPU)")
+    run.add_argument("--timeout", type=float, default=1800.0,
+                     help="seconds one backend may take, setup included (isolated runs)")
+    run.add_argument("--copy-bytes", type=int, default=None,
+                     help="buffer size of the copy-bandwidth measurement (default: 1 GiB on "
+                          "a GPU, 256 MiB on the CPU)")
+    run.add_argument("--output", default=str(RESULTS_DIR / "throughput.json"),
+                     help="where to write the JSON results")
+    eng = p.add_argument_group("engine (mini-vllm, vllm, nano-vllm)")
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
+    eng.add_argument("--max-model-len", type=int, default=4096)
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    eng.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=None, help="default: the engine's")
+    hf = p.add_argument_group("transformers")
+    hf.add_argument("--hf-attn-implementation", default="paged|sdpa",
+                    help="attention of transformers' continuous batching")
+    # Internal: run one backend and write its result here (used by --isolate).
+    p.add_argument("--worker", default=None, choices=BACKENDS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-output", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """mini-vllm's engine arguments from the flags (None = the engine's default)."""
+    kwargs = {"device": ns.device, "dtype": ns.dtype, "max_num_seqs": ns.max_num_seqs,
+              "max_num_batched_tokens": ns.max_num_batched_tokens,
+              "max_model_len": ns.max_model_len,
+              "gpu_memory_utilization": ns.gpu_memory_utilization,
+              "enforce_eager": ns.enforce_eager,
+              "num_gpu_blocks_override": ns.num_gpu_blocks_override,
+              "enable_prefix_caching": ns.enable_prefix_caching,
+              "load_format": ns.load_format, "seed": ns.seed}
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _warmup_prompt(vocab_size: int) -> list[int]:
+    return [(7 * i + 3) % min(vocab_size, 10000) for i in range(_WARMUP_PROMPT_LEN)]
+
+
+# --8<-- [start:run_mini_vllm]
+def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) -> dict[str, Any]:
+    """Time `LLM.generate` over the whole workload (after one warm-up request)."""
+    from mini_vllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, **_engine_kwargs(ns))
+    vocab = llm.engine.config.model_config.vocab_size
+
+    def params(max_tokens: int) -> SamplingParams:
+        # top-k / top-p explicitly off: the model's generation_config would turn them on.
+        return SamplingParams(temperature=TEMPERATURE, top_p=1.0, top_k=0, min_p=0.0,
+                              ignore_eos=True, max_tokens=max_tokens)
+
+    llm.generate([{"prompt_token_ids": _warmup_prompt(vocab)}], params(_WARMUP_MAX_TOKENS),
+                 use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    sampling = [params(m) for m in workload.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    stats = llm.engine.get_stats()
+    return {"wall_s": elapsed,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            "engine_stats": stats,
+            "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
+            "device": str(llm.engine.config.device)}
+# --8<-- [end:run_mini_vllm]
+
+
+# --8<-- [start:run_transformers]
+def run_transformers(model_dir: str, workload: Workload, ns: argparse.Namespace
+                     ) -> dict[str, Any]:
+    """Time transformers' continuous batching: add every request, collect every result."""
+    import inspect
+
+    from transformers import GenerationConfig
+
+    model = load_hf_model(model_dir, ns.dtype, ns.device, ns.hf_attn_implementation,
+                          ns.load_format)
+    gen_config = GenerationConfig(
+        do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+        eos_token_id=-1,  # no EOS: every request runs to its max_new_tokens
+        max_new_tokens=max(workload.max_tokens))
+    manager = model.init_continuous_batching(generation_config=gen_config)
+    deadline = time.monotonic() + ns.timeout
+
+    # Keyword arguments differ between transformers versions: pass the ones this one takes.
+    accepted = inspect.signature(manager.add_request).parameters
+    extra = {"eos_token_id": -1} if "eos_token_id" in accepted else {}
+
+    def run(prompts: Sequence[list[int]], max_tokens: Sequence[int], tag: str) -> list[Any]:
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            ids = {"request_id": f"{tag}{i}"} if "request_id" in accepted else {}
+            manager.add_request(input_ids=list(p), max_new_tokens=m, **ids, **extra)
+        done: dict[str, Any] = {}
+        while len(done) < len(prompts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(done)}/{len(prompts)} requests after {ns.timeout} s")
+            result = manager.get_result(timeout=1.0)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' generation thread stopped with "
+                                       f"{len(prompts) - len(done)} requests unfinished")
+                continue
+            if result.is_finished():
+                if result.error:
+                    raise RuntimeError(f"request {result.request_id}: {result.error}")
+                done[result.request_id] = result
+        return list(done.values())
+
+    if hasattr(manager, "warmup"):
+        manager.warmup()  # CUDA-graph capture, where this version does it
+    manager.start()
+    try:
+        run([_warmup_prompt(model.config.vocab_size)], [_WARMUP_MAX_TOKENS], "warmup")
+        start = time.perf_counter()
+        results = run(workload.prompts, workload.max_tokens, "r")
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=60)
+    return {"wall_s": elapsed,
+            "output_tokens": sum(len(r.generated_tokens) for r in results),
+            "prompt_tokens": workload.num_prompt_tokens,
+            "attn_implementation": model.config._attn_implementation,
+            "transformers": module_version("transformers"),
+            "weights": "checkpoint" if has_weights(Path(model_dir)) and ns.load_format != "dummy"
+                       else "random init"}
+# --8<-- [end:run_transformers]
+
+
+def run_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) -> dict[str, Any]:
+    """Time vLLM's offline `LLM.generate` (random weights with load_format dummy)."""
+    import vllm
+
+    kwargs: dict[str, Any] = {
+        "model": model_dir, "dtype": ns.dtype, "max_num_seqs": ns.max_num_seqs,
+        "max_model_len": ns.max_model_len, "gpu_memory_utilization": ns.gpu_memory_utilization,
+        "enforce_eager": ns.enforce_eager, "seed": ns.seed, "load_format": ns.load_format,
+        # Prompts are token ids; the random ids may exceed a small test tokenizer.
+        "skip_tokenizer_init": True,
+    }
+    if ns.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = ns.max_num_batched_tokens
+    if ns.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = ns.enable_prefix_caching
+    llm = vllm.LLM(**kwargs)
+
+    def params(m: int) -> Any:
+        return vllm.SamplingParams(temperature=TEMPERATURE, top_p=1.0, ignore_eos=True,
+                                   max_tokens=m, detokenize=False)
+
+    llm.generate([{"prompt_token_ids": _warmup_prompt(10000)}], params(_WARMUP_MAX_TOKENS),
+                 use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts],
+                           [params(m) for m in workload.max_tokens], use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"wall_s": elapsed,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs)}
+
+
+def run_nano_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace
+                  ) -> dict[str, Any]:
+    """Time nano-vllm's `LLM.generate` (it reads safetensors; without them its weights
+    stay uninitialised, which does not change its speed)."""
+    import nanovllm
+
+    kwargs: dict[str, Any] = {"enforce_eager": ns.enforce_eager,
+                              "max_model_len": ns.max_model_len,
+                              "max_num_seqs": ns.max_num_seqs,
+                              "gpu_memory_utilization": ns.gpu_memory_utilization}
+    if ns.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = ns.max_num_batched_tokens
+    llm = nanovllm.LLM(model_dir, **kwargs)
+
+    def params(m: int) -> Any:
+        return nanovllm.SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=m)
+
+    llm.generate([_warmup_prompt(10000)], [params(_WARMUP_MAX_TOKENS)], use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, [params(m) for m in workload.max_tokens],
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {"wall_s": elapsed,
+            "output_tokens": sum(len(o["token_ids"]) for o in outputs),
+            "prompt_tokens": workload.num_prompt_tokens,
+            "weights": "checkpoint" if has_weights(Path(model_dir)) else "uninitialised"}
+
+
+_RUNNERS = {"mini-vllm": run_mini_vllm, "transformers": run_transformers,
+            "vllm": run_vllm, "nano-vllm": run_nano_vllm}
+_IMPORTS = {"mini-vllm": "mini_vllm", "transformers": "transformers", "vllm": "vllm",
+            "nano-vllm": "nanovllm"}
+
+
+def missing_backend(backend: str) -> str | None:
+    """Why a backend cannot run here (its package is not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec(_IMPORTS[backend]) is None:
+        return f"{_IMPORTS[backend]} is not installed"
+    return None
+
+
+def run_backend(backend: str, model_dir: str, workload: Workload,
+                ns: argparse.Namespace) -> dict[str, Any]:
+    """Run one backend in this process; any failure becomes `{"status": "error"}`."""
+    reason = missing_backend(backend)
+    if reason:
+        return {"status": "skipped", "reason": reason}
+    try:
+        result = _RUNNERS[backend](model_dir, workload, ns)
+    except Exception as e:  # noqa: BLE001 - a failing backend is a result, not the end of the run
+        traceback.print_exc()
+        return {"status": "error", "error": error_text(e)}
+    finally:
+        gc.collect()
+        _empty_cuda_cache()
+    result["status"] = "ok"
+    result["output_tok_s"] = result["output_tokens"] / result["wall_s"]
+    result["total_tok_s"] = (result["output_tokens"] + result["prompt_tokens"]) / result["wall_s"]
+    result["output_tokens_expected"] = workload.num_output_tokens
+    if result["output_tokens"] != workload.num_output_tokens:
+        print(f"warning: {backend} generated {result['output_tokens']:,} tokens, the workload "
+              f"asks for {workload.num_output_tokens:,}", file=sys.stderr)
+    return result
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _worker_argv(ns: argparse.Namespace, argv: Sequence[str], model_dir: Path,
+                 backend: str) -> list[str]:
+    """The command line of a worker: the user's flags, with everything resolved."""
+    return [*argv, "--model", str(model_dir), "--load-format", ns.load_format,
+            "--device", ns.device, "--dtype", ns.dtype, "--worker", backend]
+
+
+def summarize(results: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict[str, float]:
+    """Fill each ok result's fraction of the floor; return every pair's throughput ratio."""
+    ok = {b: r for b, r in results.items() if r.get("status") == "ok"}
+    for r in ok.values():
+        r["fraction_of_floor"] = floor["floor_s"] / r["wall_s"]
+    return {f"{a} / {b}": ok[a]["output_tok_s"] / ok[b]["output_tok_s"]
+            for a in ok for b in ok if a != b}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Print the measurements and floors, the table last."""
+    floor = report["floor"]
+    bw = report["copy_bandwidth"]["bandwidth_bytes_per_s"]
+    wl = report["workload"]
+    print(f"\nworkload: {wl['num_requests']} requests, {wl['prompt_tokens']:,} prompt / "
+          f"{wl['output_tokens']:,} output tokens"
+          + (" (the standard workload, counts checked)" if wl["standard"] else ""))
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; floor {floor['floor_s']:.3f} s = "
+          f"{floor['floor_output_tok_s']:,.0f} output tok/s (KV reads "
+          f"{floor['kv_read_bytes'] / 1e12:.2f} TB, KV writes "
+          f"{floor['kv_write_bytes'] / 1e9:.1f} GB, weights {floor['decode_steps']} x "
+          f"{floor['weight_bytes'] / 1e9:.2f} GB)")
+    first_ok = next((b for b, r in report["results"].items() if r.get("status") == "ok"), None)
+    rows = []
+    for backend, r in report["results"].items():
+        row = {"backend": backend, "status": r.get("status")}
+        if r.get("status") == "ok":
+            row.update({"output tok/s": r["output_tok_s"], "wall s": r["wall_s"],
+                        "output tokens": r["output_tokens"],
+                        "% of floor": 100 * r["fraction_of_floor"]})
+            if first_ok and backend != first_ok:
+                row[f"vs {first_ok}"] = report["ratios"][f"{backend} / {first_ok}"]
+        else:
+            row["note"] = r.get("error") or r.get("reason")
+        rows.append(row)
+    rows.append({"backend": "floor", "status": "-", "output tok/s": floor["floor_output_tok_s"],
+                 "wall s": floor["floor_s"], "output tokens": wl["output_tokens"],
+                 "% of floor": 100.0})
+    columns = ["backend", "status", "output tok/s", "wall s", "output tokens", "% of floor"]
+    if len([r for r in report["results"].values() if r.get("status") == "ok"]) > 1:
+        columns.append(f"vs {first_ok}")
+    if any("note" in r for r in rows):
+        columns.append("note")
+    print(format_table(rows, columns))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the report that is also written to `--output`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(argv)
+    ns.device = resolve_device(ns.device)
+    ns.dtype = resolve_dtype_name(ns.dtype, ns.device)
+    standard = is_default_workload(ns.num_requests, ns.input_len_range,
+                                   ns.max_tokens_range, ns.seed)
+
+    with tempfile.TemporaryDirectory(prefix="mini-vllm-bench-") as tmp:
+        model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp),
+                                                   write_weights=ns.write_weights)
+        ns.load_format = ns.load_format or load_format
+        shape = ModelShape.from_model_dir(model_dir)
+        workload = make_workload(ns.num_requests, tuple(ns.input_len_range),
+                                 tuple(ns.max_tokens_range), ns.seed, shape.vocab_size)
+        if standard:
+            check_default_workload(workload)
+
+        if ns.worker:  # one backend, in this (child) process
+            result = run_backend(ns.worker, str(model_dir), workload, ns)
+            write_json(ns.worker_output, result)
+            return result
+
+        print(f"measuring copy bandwidth and matmul rate on {ns.device} ...", flush=True)
+        copy = measure_copy_bandwidth(ns.device, ns.copy_bytes)
+        matmul = measure_matmul_flops(ns.device, ns.dtype)
+        isolate = ns.isolate if ns.isolate is not None else ns.device.startswith("cuda")
+        results: dict[str, dict[str, Any]] = {}
+        for backend in ns.backends:
+            reason = missing_backend(backend)
+            if reason:
+                print(f"{backend}: skipped ({reason})", flush=True)
+                results[backend] = {"status": "skipped", "reason": reason}
+                continue
+            print(f"{backend}: running {workload.num_requests} requests ...", flush=True)
+            if isolate:
+                results[backend] = run_worker(Path(__file__).resolve(),
+                                              _worker_argv(ns, argv, model_dir, backend),
+                                              ns.timeout)
+            else:
+                results[backend] = run_backend(backend, str(model_dir), workload, ns)
+            r = results[backend]
+            print(f"{backend}: {r['status']}"
+                  + (f", {r['output_tok_s']:,.1f} output tok/s" if r["status"] == "ok"
+                     else f" ({r.get('error')})"), flush=True)
+
+    floor = throughput_floor_for(workload, shape, ns, copy, matmul)
+    report = {
+        "benchmark": "throughput",
+        "environment": environment(ns.device),
+        "args": {k: v for k, v in vars(ns).items() if not k.startswith("worker")},
+        "model": {"dir": str(ns.model) if ns.model else f"preset {ns.preset}",
+                  "load_format": ns.load_format, "shape": shape.__dict__,
+                  "num_params": shape.num_params},
+        "workload": {**workload.summary(), "seed": ns.seed, "standard": standard,
+                     "temperature": TEMPERATURE, "ignore_eos": True},
+        "copy_bandwidth": copy,
+        "matmul": matmul,
+        "floor": floor,
+        "results": results,
+    }
+    report["ratios"] = summarize(results, floor)
+    write_json(ns.output, report)
+    print(f"wrote {ns.output}")
+    print_report(report)
+    return report
+
+
+def throughput_floor_for(workload: Workload, shape: ModelShape, ns: argparse.Namespace,
+                         copy: dict[str, Any], matmul: dict[str, Any]) -> dict[str, Any]:
+    """The floor of this run (KV cache and weights in the run's dtype)."""
+    return throughput_floor(workload, shape, dtype_bytes(ns.dtype),
+                            copy["bandwidth_bytes_per_s"], max_num_seqs=ns.max_num_seqs,
+                            matmul_flops_per_s=matmul["flops_per_s"])
+
+
+if __name__ == "__main__":
+    main()

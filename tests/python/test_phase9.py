@@ -1,0 +1,259 @@
+"""Phase 9 checks that run on a CPU: the benchmark workload, the floor model, the
+benchmark scripts on the tiny model, and the serving client's metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.phase9
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """Import a benchmark script by its path (benchmarks/ is not an installed package)."""
+    spec = importlib.util.spec_from_file_location(f"_phase9_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def common() -> ModuleType:
+    return _load("common")
+
+
+@pytest.fixture(scope="module")
+def serving() -> ModuleType:
+    return _load("serving")
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def test_default_workload_has_the_published_token_counts(common: ModuleType) -> None:
+    w = common.make_workload()
+    assert w.num_requests == 256
+    assert w.num_prompt_tokens == 142_827
+    assert w.num_output_tokens == 133_966
+    common.check_default_workload(w)  # does not raise
+    again = common.make_workload()
+    assert again.prompts == w.prompts and again.max_tokens == w.max_tokens
+
+
+def test_workload_is_the_global_random_draw(common: ModuleType) -> None:
+    # The definition: random.seed(0), then all prompts, then all max_tokens.
+    state = random.getstate()
+    try:
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]
+                   for _ in range(256)]
+        max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    finally:
+        random.setstate(state)
+    w = common.make_workload()
+    assert w.prompts == prompts
+    assert w.max_tokens == max_tokens
+    assert random.getstate() == state  # the generator leaves the global state alone
+
+
+def test_other_draws_fail_the_check_and_small_vocabularies_fold(common: ModuleType) -> None:
+    with pytest.raises(ValueError, match="142,827"):
+        common.check_default_workload(common.make_workload(seed=1))
+    folded = common.make_workload(vocab_size=2368)
+    plain = common.make_workload()
+    assert folded.max_tokens == plain.max_tokens
+    assert [len(p) for p in folded.prompts] == [len(p) for p in plain.prompts]
+    assert max(max(p) for p in folded.prompts) < 2368
+    assert common.is_default_workload(256, (100, 1024), (100, 1024), 0)
+    assert not common.is_default_workload(8, (100, 1024), (100, 1024), 0)
+
+
+# ----------------------------------------------------------------------------- floor
+
+
+def test_floor_of_the_standard_workload_on_qwen3_0_6b(common: ModuleType) -> None:
+    from mini_vllm.checkpoint import PRESETS, weight_shapes
+
+    config = PRESETS["qwen3-0.6b"]
+    shape = common.ModelShape.from_config(config)
+    w = common.make_workload()
+    bandwidth = 4.27e12
+    floor = common.throughput_floor(w, shape, dtype_bytes=2, bandwidth=bandwidth)
+
+    # Independent computation: token by token, shapes from the checkpoint writer.
+    kv_per_token = 28 * 2 * 8 * 128 * 2
+    assert floor["kv_bytes_per_token"] == kv_per_token == 114_688
+    context_tokens = 0
+    for prompt, m in zip(w.prompts, w.max_tokens):
+        for i in range(m):
+            context_tokens += len(prompt) + i + 1
+    kv_read = context_tokens * kv_per_token
+    kv_write = (w.num_prompt_tokens + w.num_output_tokens) * kv_per_token
+    weights = 2 * sum(math.prod(s) for _, s in weight_shapes(config))  # tied: no lm_head
+    steps = max(w.max_tokens)
+    expected_s = (kv_read + kv_write + steps * weights) / bandwidth
+
+    assert floor["kv_read_bytes"] == kv_read
+    assert floor["kv_read_bytes"] == pytest.approx(13.9e12, rel=0.01)
+    assert floor["weight_bytes"] == weights
+    assert floor["weight_bytes"] == pytest.approx(1.19e9, rel=0.01)
+    assert floor["decode_steps"] == steps == 1024
+    assert floor["floor_s"] == pytest.approx(expected_s, rel=1e-9)
+    assert floor["floor_s"] == pytest.approx(3.5, abs=0.1)
+    assert floor["floor_output_tok_s"] == pytest.approx(37_800, rel=0.01)
+
+
+def test_decode_steps_when_requests_queue(common: ModuleType) -> None:
+    assert common.decode_steps([3, 7, 5], max_num_seqs=8) == 7
+    # Two slots: 3|3 run together, the third starts at step 3 and ends at 6.
+    assert common.decode_steps([3, 3, 3], max_num_seqs=2) == 6
+    # 5 | 1,1,1 share the second slot while the first runs.
+    assert common.decode_steps([5, 1, 1, 1], max_num_seqs=2) == 5
+
+
+def test_prefill_flops_count_matmuls_attention_and_one_logit_row(common: ModuleType) -> None:
+    shape = common.ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2,
+                              num_kv_heads=1, head_dim=4, vocab_size=32,
+                              tie_word_embeddings=True)
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k+v, o, gate+up+down
+    assert shape.layer_matmul_params == per_layer
+    n = 5
+    expected = 2 * 2 * per_layer * n + 4 * 2 * 2 * 4 * (n * (n + 1) // 2) + 2 * 32 * 8
+    assert shape.prefill_flops(n) == expected
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def test_throughput_smoke_run_writes_json(tiny_model_dir: Path, tmp_path: Path) -> None:
+    throughput = _load("throughput")
+    out = tmp_path / "throughput.json"
+    report = throughput.main([
+        "--model", str(tiny_model_dir), "--num-requests", "4", "--input-len-range", "8", "24",
+        "--max-tokens-range", "3", "6", "--backends", "mini-vllm", "--device", "cpu",
+        "--copy-bytes", str(32 * 2**20), "--num-gpu-blocks-override", "64",
+        "--output", str(out)])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "throughput"
+    assert data["workload"]["standard"] is False
+    result = data["results"]["mini-vllm"]
+    assert result["status"] == "ok", result
+    assert result["output_tokens"] == data["workload"]["output_tokens"] == report[
+        "workload"]["output_tokens"]
+    assert result["output_tok_s"] == pytest.approx(result["output_tokens"] / result["wall_s"])
+    assert 0 < result["fraction_of_floor"]
+    floor = data["floor"]
+    assert floor["floor_s"] > 0 and floor["total_bytes"] == (
+        floor["kv_read_bytes"] + floor["kv_write_bytes"] + floor["weight_read_bytes"])
+    assert data["copy_bandwidth"]["bandwidth_bytes_per_s"] > 0
+    assert data["environment"]["device"] == "cpu"
+
+
+def test_latency_smoke_run_writes_json(tiny_model_dir: Path, tmp_path: Path) -> None:
+    latency = _load("latency")
+    out = tmp_path / "latency.json"
+    latency.main(["--model", str(tiny_model_dir), "--prompt-lens", "8", "32", "--output-len",
+                  "4", "--num-iters", "1", "--backends", "mini-vllm", "--device", "cpu",
+                  "--copy-bytes", str(32 * 2**20), "--output", str(out)])
+    data = json.loads(out.read_text())
+    result = data["results"]["mini-vllm"]
+    assert result["status"] == "ok", result
+    for length in ("8", "32"):
+        m = result["by_prompt_len"][length]
+        assert m["output_tokens"] == [4]
+        assert m["ttft_ms"] > 0 and m["tpot_ms"] > 0
+        assert m["decode_fraction_of_floor"] > 0
+        f = data["floors"][length]
+        assert f["ttft_floor_bound"] in ("compute", "memory")
+        assert f["ttft_floor_ms"] == max(f["ttft_compute_floor_ms"], f["ttft_memory_floor_ms"])
+        assert f["decode_floor_ms"] > f["decode_weights_floor_ms"] > 0
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def _sse(obj: dict | str) -> str:
+    return obj if isinstance(obj, str) else json.dumps(obj)
+
+
+def test_stream_events_give_ttft_itl_and_tpot(serving: ModuleType) -> None:
+    def chunk(text: str, finish: str | None = None) -> str:
+        return _sse({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+    events = [
+        (10.10, chunk("a")),
+        (10.15, chunk("")),  # no text: not a token arrival
+        (10.20, chunk("b")),
+        (10.40, chunk("c", "length")),
+        (10.41, _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}})),
+        (10.42, "[DONE]"),
+    ]
+    r = serving.result_from_events(prompt_len=7, start=10.0, events=events)
+    assert r.success
+    assert r.output_tokens == 5  # from usage, not from the three text chunks
+    assert r.ttft == pytest.approx(0.10)
+    assert r.itl == pytest.approx([0.10, 0.20])
+    assert r.latency == pytest.approx(0.42)
+    assert r.tpot == pytest.approx((0.42 - 0.10) / 4)
+
+    no_usage = serving.result_from_events(7, 10.0, [e for e in events if "usage" not in e[1]])
+    assert no_usage.output_tokens == 3
+    failed = serving.result_from_events(7, 10.0, [(10.1, _sse({"error": {"message": "boom"}}))])
+    assert not failed.success and "boom" in failed.error
+    cut = serving.result_from_events(7, 10.0, events[:3])
+    assert not cut.success and "[DONE]" in cut.error
+
+
+def test_metrics_aggregate_and_percentiles(serving: ModuleType) -> None:
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    d = serving.distribution(values)
+    assert d["mean"] == pytest.approx(50.5)
+    assert d["median"] == pytest.approx(50.5)
+    assert d["p99"] == pytest.approx(99.01)  # linear interpolation: 99 + 0.01 x (100 - 99)
+    assert d["p90"] == pytest.approx(90.1)
+    assert serving.distribution([])["p99"] is None
+
+    ok = serving.RequestResult(True, prompt_len=10, output_tokens=5, start=0.0, ttft=0.1,
+                               latency=0.5, chunk_times=[0.1, 0.2, 0.5])
+    ok2 = serving.RequestResult(True, prompt_len=20, output_tokens=3, start=1.0, ttft=0.3,
+                                latency=0.7, chunk_times=[1.3, 1.7])
+    bad = serving.RequestResult(False, prompt_len=30, error="HTTP 500")
+    m = serving.compute_metrics([ok, ok2, bad], duration_s=2.0)
+    assert (m["completed"], m["failed"], m["errors"]) == (2, 1, ["HTTP 500"])
+    assert m["output_tokens"] == 8 and m["prompt_tokens"] == 30
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert m["tpot_ms"]["median"] == pytest.approx((100.0 + 200.0) / 2)  # 0.4/4, 0.4/2
+    assert sorted(ok.itl + ok2.itl) == pytest.approx([0.1, 0.3, 0.4])
+    assert m["itl_ms"]["median"] == pytest.approx(300.0)
+
+
+def test_serving_launch_smoke(serving: ModuleType, tiny_model_dir: Path,
+                              tmp_path: Path) -> None:
+    if importlib.util.find_spec("mini_vllm.cli") is None:
+        pytest.skip("mini_vllm.cli is not importable: no server to launch")
+    pytest.importorskip("fastapi", reason="the server needs fastapi")
+    out = tmp_path / "serving.json"
+    report = serving.main([
+        "--launch", "--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "4",
+        "--input-len-range", "8", "16", "--max-tokens-range", "3", "6",
+        "--request-rates", "inf", "--launch-timeout", "120", "--output", str(out)])
+    assert report["status"] == "ok", report.get("error")
+    data = json.loads(out.read_text())
+    run = data["runs"][0]
+    assert run["request_rate"] == "inf"
+    assert (run["completed"], run["failed"]) == (4, 0)
+    assert run["output_tokens"] == data["workload"]["output_tokens"]
+    assert run["ttft_ms"]["median"] > 0 and run["tpot_ms"]["median"] > 0
+    assert data["base_url"].startswith("http://127.0.0.1:")

@@ -1,0 +1,349 @@
+"""Phase 9: the GPU path — kernels in the hot path, CUDA graphs, no host syncs, bf16.
+
+Every test but the first two needs a CUDA GPU and is skipped without one.
+The first runs the fast path's host logic (decodes moved first, graph
+padding, tokens taken from the previous step on the device) on the CPU with
+the torch fallbacks, so CI checks it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from mini_vllm import ops
+from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.cuda_backend import CudaAttentionBackend
+from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes
+from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.models.qwen3 import Qwen3ForCausalLM
+from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.phase9
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 256
+
+
+def engine_config(model_dir: Path, device: str, dtype: str, **overrides: object) -> EngineConfig:
+    args = {
+        "model": str(model_dir), "device": device, "dtype": dtype,
+        "block_size": BLOCK_SIZE, "num_gpu_blocks_override": NUM_BLOCKS,
+        "max_model_len": 256, "max_num_seqs": 8,
+    }
+    args.update(overrides)
+    return EngineArgs(**args).create_engine_config()
+
+
+class Blocks:
+    """Hands out shuffled block ids 1..NUM_BLOCKS-1."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.free = list(range(1, NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+
+    def table(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // BLOCK_SIZE)
+        table, self.free = self.free[:n], self.free[n:]
+        return table
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_run(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
+               seed: int = 0, from_device: bool = False
+               ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill (the last prompt in two chunks, the second beside decodes), then greedy decode.
+
+    Sequences drop out of the batch as they go, so the batch size changes
+    (5, 4, 3 sequences: graph sizes 8 and 4, with and without padding).
+    With `from_device`, each decode entry carries a placeholder token and
+    takes its value from the previous step's argmax on the device (what the
+    engine does with async scheduling). Returns the token sequences and every
+    step's logits (on the CPU).
+    """
+    blocks = Blocks(seed)
+    tables = [blocks.table(len(p) + num_steps + 1) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    *first, last = prompts
+    half = len(last) // 2
+    steps: list[torch.Tensor] = []
+    prev: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+    row_of: dict[int, int] = {}  # sequence -> its row of `prev`
+
+    def decode(i: int) -> BatchEntry:
+        if from_device:
+            return BatchEntry([0], len(seqs[i]) - 1, tables[i], prev_sample_row=row_of[i])
+        return BatchEntry([seqs[i][-1]], len(seqs[i]) - 1, tables[i])
+
+    def record(order: list[int], logits: torch.Tensor) -> None:
+        nonlocal prev, row_of
+        steps.append(logits.cpu())
+        prev, row_of = logits.argmax(-1), {i: row for row, i in enumerate(order)}
+        for i, tok in zip(order, prev.tolist()):
+            seqs[i].append(tok)
+
+    logits = runner.execute([BatchEntry(p, 0, t) for p, t in zip(first, tables)]
+                            + [BatchEntry(last[:half], 0, tables[-1], sample=False)])
+    record(list(range(len(first))), logits)
+    # Mixed step: the chunk first in the entries, decodes after it.
+    entries = [BatchEntry(last[half:], half, tables[-1])]
+    entries += [decode(i) for i in range(len(first))]
+    record([len(first), *range(len(first))], runner.execute(entries, prev))
+    active = list(range(len(seqs)))
+    for step in range(num_steps):
+        if step in (num_steps // 3, 2 * num_steps // 3):
+            active.pop(0)
+        record(active, runner.execute([decode(i) for i in active], prev))
+    return seqs, steps
+
+
+# ------------------------------------------------------------- on any machine
+
+
+def test_fast_path_host_logic_matches_reference_on_cpu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path's batch layout (decodes first, padded graph batches) on the CPU."""
+    ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    monkeypatch.setattr(
+        "mini_vllm.model_runner.select_attention_backend",
+        lambda device, dtype, head_dim: CudaAttentionBackend(dtype, head_dim, device,
+                                                             use_kernels=False))
+    fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    fast.use_fast_path = True
+    # Graph buffers without capture: `run` executes the padded batch eagerly.
+    fast.graph_runner = CudaGraphRunner(fast._forward_logits, fast.kv_caches, capture_sizes(8),
+                                        max_blocks_per_seq=256 // BLOCK_SIZE,
+                                        max_context_len=256, device=fast.device)
+    prompts = random_prompts([5, 12, 1, 23, 9], ref.vocab_size)
+    ref_seqs, ref_steps = greedy_run(ref, prompts, 9)
+    for from_device in (False, True):
+        seqs, steps = greedy_run(fast, prompts, 9, from_device=from_device)
+        assert seqs == ref_seqs
+        for a, b in zip(ref_steps, steps):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # The reference path takes placeholders' values from the device too.
+    seqs, _ = greedy_run(ref, prompts, 9, from_device=True)
+    assert seqs == ref_seqs
+
+
+def test_capture_sizes_ladder() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_sizes(36)[-2:] == [32, 36]
+    assert capture_sizes(4096)[-1] == 512
+
+
+# ------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_float32_greedy_tokens_match_the_cpu_reference(tiny_model_dir: Path,
+                                                       enforce_eager: bool) -> None:
+    cpu = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    gpu = ModelRunner(engine_config(tiny_model_dir, "cuda", "float32",
+                                    enforce_eager=enforce_eager))
+    assert (gpu.graph_runner is None) == enforce_eager
+    prompts = random_prompts([4, 9, 17, 2, 30], cpu.vocab_size, seed=1)
+    cpu_seqs, cpu_steps = greedy_run(cpu, prompts, 24)
+    for from_device in (False, True):
+        gpu_seqs, gpu_steps = greedy_run(gpu, prompts, 24, from_device=from_device)
+        assert gpu_seqs == cpu_seqs
+        for a, b in zip(cpu_steps, gpu_steps):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+
+def _prefilled(runner: ModelRunner, num_seqs: int, seed: int = 2
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = random_prompts([3 + 5 * i for i in range(num_seqs)], runner.vocab_size, seed)
+    blocks = Blocks(seed)
+    tables = [blocks.table(len(p) + 8) for p in prompts]
+    logits = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables)])
+    for p, tok in zip(prompts, logits.argmax(-1).tolist()):
+        p.append(tok)
+    return prompts, tables
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backend_is_chosen_automatically(tiny_model_dir: Path,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+    backend = runner.attn_backend
+    assert isinstance(backend, CudaAttentionBackend)
+    assert all(layer.self_attn.attn.backend is backend for layer in runner.model.model.layers)
+    if ops.is_available():
+        assert (backend.write_impl, backend.decode_impl) == ("kernel", "kernel")
+        assert backend.prefill_impl == "flash_varlen"
+    else:
+        assert (backend.write_impl, backend.decode_impl) == ("torch", "torch")
+        assert "CUDA kernels not used" in caplog.text
+    assert "attention backend cuda" in caplog.text
+    assert sorted(runner.graph_runner.graphs) == capture_sizes(8) == [1, 2, 4, 8]
+    assert runner.kv_cache.dtype == torch.bfloat16
+    assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager_and_padding_touches_nothing(tiny_model_dir: Path,
+                                                               dtype: str) -> None:
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype))
+    seqs, tables = _prefilled(runner, 5)  # 5 sequences: the graph of 8, 3 rows padded
+    entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
+    eager = runner.execute_fast(entries, use_graph=False).clone()
+    graph = runner.execute_fast(entries, use_graph=True).clone()
+    assert graph.shape == eager.shape == (5, runner.vocab_size)
+    if dtype == "float32":
+        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+    # Padded rows wrote nothing: block 0 and every block no table holds are still zero.
+    used = sorted({b for t in tables for b in t})
+    unused = [b for b in range(NUM_BLOCKS) if b not in used]
+    if runner.attn_backend.write_impl == "kernel":
+        unused.append(0)  # the torch fallback parks padded rows in block 0 instead
+    assert runner.kv_cache[:, :, unused].abs().sum().item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_graph", [True, False], ids=["graph", "eager"])
+def test_a_step_has_no_host_sync(tiny_model_dir: Path, use_graph: bool) -> None:
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+    sampler = Sampler()
+    seqs, tables = _prefilled(runner, 5)
+    greedy, random_ = SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_p=0.9)
+    rows = [(greedy if i % 2 else random_, None, s, []) for i, s in enumerate(seqs)]
+
+    def decode_step(prev: torch.Tensor | None) -> torch.Tensor:
+        # With `prev`, the tokens come from the previous step's samples on the device.
+        entries = [BatchEntry([s[-1]], len(s) - 1, t, prev_sample_row=-1 if prev is None else i)
+                   for i, (s, t) in enumerate(zip(seqs, tables))]
+        logits = runner.execute_fast(entries, prev, use_graph=use_graph)
+        meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+        return sampler(logits, meta).sampled_token_ids
+
+    def mixed_step() -> torch.Tensor:
+        entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs[:3], tables)]
+        entries.append(BatchEntry(seqs[4][-3:], len(seqs[4]) - 3, tables[4]))  # a chunk
+        return runner.execute_fast(entries, use_graph=use_graph).argmax(-1)
+
+    first = decode_step(None)  # warm-up: lazy initialisation may sync
+    decode_step(first).tolist(), mixed_step().tolist()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode_ids = decode_step(None)
+        async_ids = decode_step(decode_ids)
+        mixed_ids = mixed_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(async_ids.tolist()) == 5 and len(mixed_ids.tolist()) == 4
+
+
+def _hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under Hugging Face's names (fused projections split), in float32."""
+    packed = Qwen3ForCausalLM.packed_modules_mapping
+    state = {}
+    for name, param in model.named_parameters():
+        module, _, pname = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in packed:
+            parts = param.split(model.get_submodule(module).output_sizes)
+            for sub, part in zip(packed[leaf], parts):
+                state[f"{parent}.{sub}.{pname}"] = part.float()
+        else:
+            state[name] = param.float()
+    return state
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
+    """Real Qwen3-0.6B shapes, random weights: ours in bf16 vs HF in fp32 on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from mini_vllm.checkpoint import make_model
+
+    model_dir = make_model(tmp_path / "qwen3-0.6b", preset="qwen3-0.6b", weights=False)
+    runner = ModelRunner(EngineArgs(
+        model=str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
+        block_size=16, num_gpu_blocks_override=64, max_model_len=512, max_num_seqs=4,
+    ).create_engine_config())
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
+            attn_implementation="sdpa").eval()
+    result = hf.load_state_dict(_hf_state_dict(runner.model), strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+
+    prompts = random_prompts([7, 33, 120, 70], 10000, seed=3)
+    tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(4)]  # 192 tokens each
+    # Step 1: three prompts + the first 40 tokens of the fourth. Step 2: its
+    # other 30 (a prefix continuation) beside decodes of the other three.
+    out1 = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables)]
+                          + [BatchEntry(prompts[3][:40], 0, tables[3], sample=False)])
+    seqs = [p + [int(tok)] for p, tok in zip(prompts[:3], out1.argmax(-1).tolist())]
+    seqs.append(list(prompts[3]))
+    out2 = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs[:3], tables)]
+                          + [BatchEntry(prompts[3][40:], 40, tables[3])])
+    for s, tok in zip(seqs, out2.argmax(-1).tolist()):
+        s.append(tok)
+    # Steps 3-5: decodes of all four (CUDA graphs).
+    decodes = []
+    for _ in range(3):
+        out = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
+        decodes.append(out.clone())
+        for s, tok in zip(seqs, out.argmax(-1).tolist()):
+            s.append(tok)
+
+    with torch.inference_mode():
+        ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
+    n = [len(p) for p in prompts]
+    ours = torch.cat([out1, out2, *decodes])
+    want = torch.cat([
+        torch.stack([ref[i][n[i] - 1] for i in range(3)]),  # step 1
+        torch.stack([ref[i][n[i]] for i in range(3)] + [ref[3][n[3] - 1]]),  # step 2
+        *[torch.stack([ref[i][n[i] + k + (i < 3)] for i in range(4)]) for k in range(3)],
+    ])
+    rel = (ours - want).norm(dim=-1) / want.norm(dim=-1)
+    # bf16 weights and activations through 28 layers: about 1.5% here.
+    assert rel.max().item() < 0.04, rel.tolist()
+    assert (ours.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kv_cache_is_sized_from_free_memory(tiny_model_dir: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    budget = 3 * 2**30  # what we leave the engine above what is in use now
+    utilization = (total - free + budget) / total
+    with caplog.at_level(logging.INFO, logger="mini_vllm.model_runner"):
+        runner = ModelRunner(engine_config(
+            tiny_model_dir, "cuda", "bfloat16", num_gpu_blocks_override=None, block_size=16,
+            gpu_memory_utilization=utilization, max_num_seqs=1024, max_model_len=4096,
+            max_num_batched_tokens=2048, enforce_eager=True))
+    kv_bytes = runner.num_blocks * runner.block_bytes
+    # The budget minus the margin and the activation estimate, not capped by
+    # max_num_seqs * max_model_len (4M tokens = 4 GiB here).
+    assert 1.5 * 2**30 < kv_bytes <= budget
+    assert runner.kv_cache.nbytes == kv_bytes
+    assert f"KV cache: {runner.num_blocks} blocks of 16 tokens" in caplog.text
+    assert "max concurrency" in caplog.text
