@@ -21,7 +21,7 @@ several such measurements is kept.
 Run it from the repository root after ``bash scripts/build_kernels.sh``::
 
     python benchmarks/kernels.py                      # all tables -> JSON + printed table
-    python benchmarks/kernels.py --tables main --out /tmp/k.json
+    python benchmarks/kernels.py --tables main --out main.json
     python benchmarks/kernels.py --dry-run            # tiny shapes, checks every path (CPU ok)
     python benchmarks/kernels.py --report benchmarks/results/kernels_h200.json  # markdown tables
 
@@ -508,6 +508,21 @@ def report(path: Path) -> None:
             print(f"| {r['case']} | " + " | ".join(
                 f"{r['paths'][n]['us']:.0f}" if "us" in r["paths"][n] else "-" for n in names)
                   + " |")
+        print()
+    tuning = [r for r in d.get("tuning", []) if "partition_size" in r and r.get("unroll") == 4]
+    if tuning:
+        sizes = sorted({r["partition_size"] for r in tuning})
+        shapes = sorted({(r["batch"], r["context"]) for r in tuning})
+        print("**partition size** (version 5, µs per call)\n")
+        print("| batch × context | " + " | ".join(str(s) for s in sizes) + " |")
+        print("|---|" + "---|" * len(sizes))
+        for b, c in shapes:
+            by = {r["partition_size"]: r["paths"]["ours"] for r in tuning
+                  if (r["batch"], r["context"]) == (b, c)}
+            best = min(v["us"] for v in by.values())
+            print(f"| {b} × {c} | " + " | ".join(
+                (f"**{by[s]['us']:.1f}**" if by[s]["us"] == best else f"{by[s]['us']:.1f}")
+                for s in sizes) + " |")
         print()
     if d.get("bar"):
         print("**bar**:", json.dumps(d["bar"]))

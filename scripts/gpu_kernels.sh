@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session for the kernels: build, test, benchmark, profile.
-# Everything it writes goes to $OUT (default: ./gpu-out).
+# One GPU run for the kernels: build, test, benchmark, profile.
+# Everything it writes goes to $OUT (default: build/gpu-out, ignored by git).
 #
 #   bash scripts/gpu_kernels.sh                       # all stages
 #   STAGES="build tests" bash scripts/gpu_kernels.sh
 #   TABLES="main versions" bash scripts/gpu_kernels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-out}"
+OUT="${OUT:-build/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES="${STAGES:-env build tests bench ncu}"

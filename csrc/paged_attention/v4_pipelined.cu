@@ -1,5 +1,4 @@
-// Version 4 (the one the engine uses): several loads in flight, block table
-// in shared memory.
+// Version 4: several loads in flight, block table in shared memory.
 //
 // Changes from version 3:
 //   * Each lane handles UNROLL tokens per step and issues all 2 * UNROLL of its

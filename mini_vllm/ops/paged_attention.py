@@ -58,6 +58,17 @@ def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
     64 tokens and up to 32 splits per sequence: a batch of 64 x 8 KV heads
     already fills an H200 (no split), a single sequence of 1k tokens gets 16
     partitions of 64, one of 8k tokens 32 partitions of 256.
+
+    Args:
+        num_seqs: sequences in the batch.
+        num_q_heads: query heads.
+        num_kv_heads: KV heads.
+        max_context_len: the longest context (or a bound of it).
+        num_sms: multiprocessors of the GPU.
+        group_per_cta: query heads per CTA; None: `heads_per_cta(...)`.
+
+    Returns:
+        The partition size in tokens.
     """
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads)
     ctas_per_split = num_seqs * (num_q_heads // group_per_cta)
