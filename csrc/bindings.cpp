@@ -16,6 +16,10 @@
 namespace py = pybind11;
 using namespace mini_vllm;
 
+namespace mini_vllm {
+void register_layer_ops(py::module_& m);  // layer_bindings.cpp: the fused layer kernels
+}  // namespace mini_vllm
+
 namespace {
 
 template <typename P>
@@ -84,6 +88,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "mini-vllm CUDA kernels (raw-pointer interface; use mini_vllm.ops)";
   m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5);
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
+  register_layer_ops(m);
 
   m.def("paged_attention_decode", &decode, "Paged decode attention (see DecodeParams).",
         py::arg("version"), py::arg("out"), py::arg("q"), py::arg("k_cache"),

@@ -21,8 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mini_vllm import ops
 from mini_vllm.attention import Attention, AttentionBackend, AttentionMetadata, KVCache
 from mini_vllm.config import ModelConfig
+from mini_vllm.ops import layer_ops
+
+
+def layer_kernels_usable(config: ModelConfig, device: torch.device | str | None,
+                         dtype: torch.dtype | None) -> bool:
+    """Whether the fused CUDA layer kernels (phase 9) can run this model."""
+    return (torch.device(device or "cpu").type == "cuda" and ops.is_available()
+            and dtype in layer_ops.LAYER_DTYPES and config.head_dim in (64, 128, 256)
+            and config.hidden_size % 8 == 0 and config.intermediate_size % 8 == 0)
 
 
 # --8<-- [start:linear]
@@ -97,15 +107,32 @@ class RMSNorm(nn.Module):
         eps: float,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.use_kernels = use_kernels
         self.weight = nn.Parameter(
             torch.ones(dim, device=device, dtype=dtype), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            return layer_ops.rms_norm(x, self.weight, self.eps)[0]
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual = x + residual`, then normalise it: the step between two sub-layers.
+
+        Returns:
+            (normalised, new residual). With the CUDA kernels this is one
+            launch and the residual is updated in place.
+        """
+        if self.use_kernels:
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        return layer_ops.rms_norm_ref(x, self.weight, self.eps, residual)
 # --8<-- [end:rmsnorm]
 
 
@@ -175,8 +202,10 @@ class Qwen3Attention(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
+        self.use_kernels = use_kernels
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -199,15 +228,24 @@ class Qwen3Attention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        """`rope` is `(cos, sin)` of the tokens, or with the CUDA kernels the
+        model's `(cos_sin_cache, positions)`."""
         t = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        if self.use_kernels:  # norms + RoPE of every q and k head: one launch, in place
+            cos_sin_cache, positions = rope
+            layer_ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos_sin_cache,
+                                   positions, self.num_heads, self.num_kv_heads,
+                                   self.head_dim, self.q_norm.eps)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # The norms act on each head separately, before RoPE.
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))  # [T, Hq, D]
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        cos, sin = rope
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        if not self.use_kernels:
+            # The norms act on each head separately, before RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = rope
+            q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 # --8<-- [end:attention]
@@ -222,21 +260,34 @@ class Qwen3MLP(nn.Module):
         config: ModelConfig,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
+        self.use_kernels = use_kernels
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], device, dtype)
         self.down_proj = Linear(inter, [config.hidden_size], device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]: gate | up
+        if self.use_kernels:
+            return self.down_proj(layer_ops.silu_and_mul(gate_up))
+        return self.down_proj(layer_ops.silu_and_mul_ref(gate_up))
 # --8<-- [end:mlp]
 
 
 # --8<-- [start:decoder_layer]
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm transformer block: `x + attn(norm(x))`, then `h + mlp(norm(h))`."""
+    """Pre-norm transformer block: `h = x + attn(norm(x))`, then `h + mlp(norm(h))`.
+
+    The residual stream is carried beside the sub-layer output rather than
+    added at the end of the block, so that each "add, then normalise" is one
+    step (`RMSNorm.add_norm`, one fused kernel on a GPU):
+
+        residual ──────────┬──────────────(+)──┬─────────────(+)──► next layer
+                           │                 ▲ │               ▲
+        x ─(+ residual)─ norm ─► attention ──┘ norm ─► MLP ────┘
+    """
 
     def __init__(
         self,
@@ -244,25 +295,33 @@ class Qwen3DecoderLayer(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, backend, device, dtype)
-        self.mlp = Qwen3MLP(config, device, dtype)
+        self.self_attn = Qwen3Attention(config, backend, device, dtype, use_kernels)
+        self.mlp = Qwen3MLP(config, device, dtype, use_kernels)
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype, use_kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype,
+                                                use_kernels)
 
     def forward(
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = hidden_states + self.self_attn(
-            rope, self.input_layernorm(hidden_states), kv_cache, attn_metadata
-        )
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp output, residual)`; their sum is the block's output."""
+        if residual is None:  # the first layer: the residual stream starts here
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.add_norm(hidden_states, residual)
+        hidden_states = self.self_attn(rope, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm.add_norm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 # --8<-- [end:decoder_layer]
 
 
@@ -275,14 +334,16 @@ class Qwen3Model(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
+        self.use_kernels = use_kernels
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, backend, device, dtype)
+            Qwen3DecoderLayer(config, backend, device, dtype, use_kernels)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype, use_kernels)
         # One cos/sin table shared by every layer.
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, device
@@ -296,10 +357,14 @@ class Qwen3Model(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, h.dtype)  # gathered once, used by every layer
+        if self.use_kernels:  # the kernel gathers cos/sin itself
+            rope = (self.rotary_emb.cos_sin_cache, positions)
+        else:
+            rope = self.rotary_emb(positions, h.dtype)  # gathered once, used by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, kv_cache, attn_metadata)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual, kv_cache, attn_metadata)
+        return self.norm.add_norm(h, residual)[0]
 
 
 # --8<-- [start:causal_lm]
@@ -312,6 +377,8 @@ class Qwen3ForCausalLM(nn.Module):
             reference when None).
         device: where to allocate the weights (uninitialised until loaded).
         dtype: the weights' dtype.
+        use_kernels: run norms, RoPE and SiLU through the fused CUDA kernels
+            of `mini_vllm.ops.layer_ops` (default: when they can run here).
     """
 
     # --8<-- [start:packed]
@@ -328,10 +395,13 @@ class Qwen3ForCausalLM(nn.Module):
         attn_backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, attn_backend, device, dtype)
+        if use_kernels is None:
+            use_kernels = layer_kernels_usable(config, device, dtype)
+        self.model = Qwen3Model(config, attn_backend, device, dtype, use_kernels)
         tied = config.tie_word_embeddings
         self.lm_head = Linear(
             config.hidden_size, [config.vocab_size], "meta" if tied else device, dtype

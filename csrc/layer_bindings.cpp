@@ -1,0 +1,97 @@
+// Python bindings of the fused layer kernels, registered into mini_vllm._C by
+// bindings.cpp. Same raw-pointer convention as the attention kernels.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <pybind11/pybind11.h>
+
+#include "layer_params.h"
+
+namespace py = pybind11;
+
+namespace mini_vllm {
+namespace {
+
+template <typename P>
+P* ptr(std::uintptr_t p) {
+  return reinterpret_cast<P*>(p);
+}
+
+DType dtype_of(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+  return static_cast<DType>(code);
+}
+
+cudaStream_t stream_of(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+void register_layer_ops(py::module_& m) {
+  m.def(
+      "rms_norm",
+      [](std::uintptr_t out, std::uintptr_t residual, std::uintptr_t x, std::uintptr_t weight,
+         int num_tokens, int hidden, int64_t x_stride, int64_t out_stride, float eps, int dtype,
+         std::uintptr_t stream) {
+        RmsNormParams p;
+        p.out = ptr<void>(out);
+        p.residual = ptr<void>(residual);
+        p.x = ptr<const void>(x);
+        p.weight = ptr<const void>(weight);
+        p.num_tokens = num_tokens;
+        p.hidden = hidden;
+        p.x_stride = x_stride;
+        p.out_stride = out_stride;
+        p.eps = eps;
+        p.dtype = dtype_of(dtype);
+        rms_norm(p, stream_of(stream));
+      },
+      "out = w * rms_norm(x), after residual += x when residual != 0.", py::arg("out"),
+      py::arg("residual"), py::arg("x"), py::arg("weight"), py::arg("num_tokens"),
+      py::arg("hidden"), py::arg("x_stride"), py::arg("out_stride"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "qk_norm_rope",
+      [](std::uintptr_t qkv, std::uintptr_t q_weight, std::uintptr_t k_weight,
+         std::uintptr_t cos_sin_cache, std::uintptr_t positions, int num_tokens,
+         int num_q_heads, int num_kv_heads, int head_dim, int64_t token_stride, float eps,
+         int dtype, std::uintptr_t stream) {
+        QkNormRopeParams p;
+        p.qkv = ptr<void>(qkv);
+        p.q_weight = ptr<const void>(q_weight);
+        p.k_weight = ptr<const void>(k_weight);
+        p.cos_sin_cache = ptr<const float>(cos_sin_cache);
+        p.positions = ptr<const int64_t>(positions);
+        p.num_tokens = num_tokens;
+        p.num_q_heads = num_q_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.token_stride = token_stride;
+        p.eps = eps;
+        p.dtype = dtype_of(dtype);
+        qk_norm_rope(p, stream_of(stream));
+      },
+      "Per-head RMSNorm + neox RoPE of q and k inside a fused qkv output, in place.",
+      py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin_cache"),
+      py::arg("positions"), py::arg("num_tokens"), py::arg("num_q_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "silu_and_mul",
+      [](std::uintptr_t out, std::uintptr_t x, int num_tokens, int d, int dtype,
+         std::uintptr_t stream) {
+        SiluAndMulParams p;
+        p.out = ptr<void>(out);
+        p.x = ptr<const void>(x);
+        p.num_tokens = num_tokens;
+        p.d = d;
+        p.dtype = dtype_of(dtype);
+        silu_and_mul(p, stream_of(stream));
+      },
+      "out = silu(x[:, :d]) * x[:, d:].", py::arg("out"), py::arg("x"), py::arg("num_tokens"),
+      py::arg("d"), py::arg("dtype"), py::arg("stream"));
+}
+
+}  // namespace mini_vllm

@@ -1,0 +1,254 @@
+// Fused element-wise kernels of a Qwen3 layer (phase 9).
+//
+// In a decode step every layer runs a few matrix products and dozens of tiny
+// element-wise operations (norms, rotary embedding, activation, residual
+// adds). Each of those is its own kernel in eager PyTorch: ~50 launches a
+// layer, each a few microseconds, which for a small model costs as much as
+// the matrix products. These kernels fuse each group into one launch:
+//
+//   rms_norm            y = w * norm(x)
+//   fused_add_rms_norm  r = x + r;  x = w * norm(r)          (in place)
+//   qk_norm_rope        q, k = rope(w_q * norm(q)), rope(w_k * norm(k))  (in place, per head)
+//   silu_and_mul        y = silu(gate) * up
+//
+// They round where the torch reference rounds (after every bf16/fp16
+// operation of the eager code); only the order of the float32 sums inside a
+// reduction differs, so outputs match the reference to within one rounding.
+// --8<-- [start:rounding]
+#include "common.cuh"
+#include "layer_params.h"
+
+namespace mini_vllm {
+namespace {
+
+// Round a float to the storage type and back: what one eager torch op does.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return TypeTraits<T>::to_float(TypeTraits<T>::from_float(x));
+}
+// --8<-- [end:rounding]
+
+template <typename T>
+__device__ __forceinline__ void pack8(const float (&f)[8], uint4& v) {
+  T* out = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = TypeTraits<T>::from_float(f[i]);
+}
+
+// --8<-- [start:rms_norm]
+// One block of NT threads per row; each thread holds VPT 16-byte vectors of
+// the row in registers, so the row is read once and written once.
+//   torch reference: weight * F.rms_norm(x)  ==  round(w * round(x * rsqrt(mean(x^2) + eps)))
+template <typename T, int NT, int VPT, bool ADD>
+__global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
+                                                       T* __restrict__ residual,
+                                                       const T* __restrict__ x,
+                                                       const T* __restrict__ weight,
+                                                       int hidden, int64_t x_stride,
+                                                       int64_t out_stride, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int num_vec = hidden / 8;
+  float v[VPT][8];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = threadIdx.x + i * NT;
+    if (c < num_vec) {
+      unpack8<T>(*reinterpret_cast<const uint4*>(x + row * x_stride + c * 8), v[i]);
+      if constexpr (ADD) {
+        // r = round(x + r): the residual stream is stored in the model's dtype.
+        float r[8];
+        uint4* rp = reinterpret_cast<uint4*>(residual + row * hidden + c * 8);
+        unpack8<T>(*rp, r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = round_to<T>(v[i][j] + r[j]);
+        uint4 packed;
+        pack8<T>(v[i], packed);
+        *rp = packed;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sumsq += v[i][j] * v[i][j];
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum<NT>(sumsq, scratch) / hidden + eps);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = threadIdx.x + i * NT;
+    if (c < num_vec) {
+      float w[8], y[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(weight + c * 8), w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j] = w[j] * round_to<T>(v[i][j] * inv_rms);
+      uint4 packed;
+      pack8<T>(y, packed);
+      *reinterpret_cast<uint4*>(out + row * out_stride + c * 8) = packed;
+    }
+  }
+}
+// --8<-- [end:rms_norm]
+
+// --8<-- [start:qk_norm_rope]
+// One warp per (token, head) of q and k, in place in the fused qkv output.
+// Lane l owns the rotary pairs (i, i + D/2) for i = l, l + 32, ...: both
+// halves of a pair meet in one thread, so the rotation needs no shuffle.
+//   torch reference, per head:  y = round(w * round(x * inv_rms))
+//                               c, s = round(cos), round(sin)
+//   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))
+template <typename T, int D>
+__global__ void qk_norm_rope_kernel(T* __restrict__ qkv, const T* __restrict__ q_weight,
+                                    const T* __restrict__ k_weight,
+                                    const float* __restrict__ cos_sin_cache,
+                                    const int64_t* __restrict__ positions, int num_tokens,
+                                    int num_q_heads, int num_kv_heads, int64_t token_stride,
+                                    float eps) {
+  constexpr int HALF = D / 2;
+  constexpr int PAIRS = HALF / 32;  // pairs per lane
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int heads = num_q_heads + num_kv_heads;
+  if (warp >= num_tokens * heads) return;
+  const int token = warp / heads, head = warp % heads;
+  const bool is_q = head < num_q_heads;
+  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads
+  const T* w = is_q ? q_weight : k_weight;
+
+  float a[PAIRS], b[PAIRS];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    a[p] = TypeTraits<T>::to_float(x[lane + p * 32]);
+    b[p] = TypeTraits<T>::to_float(x[lane + p * 32 + HALF]);
+    sumsq += a[p] * a[p] + b[p] * b[p];
+  }
+  const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
+  const float* cs = cos_sin_cache + positions[token] * D;  // [cos (D/2) | sin (D/2)]
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    const int i = lane + p * 32;
+    const float y1 = round_to<T>(TypeTraits<T>::to_float(w[i]) * round_to<T>(a[p] * inv_rms));
+    const float y2 =
+        round_to<T>(TypeTraits<T>::to_float(w[i + HALF]) * round_to<T>(b[p] * inv_rms));
+    const float c = round_to<T>(cs[i]), s = round_to<T>(cs[i + HALF]);
+    x[i] = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
+    x[i + HALF] = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+  }
+}
+// --8<-- [end:qk_norm_rope]
+
+// --8<-- [start:silu_and_mul]
+// y = round(round(silu(gate)) * up), 8 elements (16 bytes) per thread.
+template <typename T>
+__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int d,
+                                    int64_t num_vec) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= num_vec) return;
+  const int vec_per_row = d / 8;
+  const int64_t row = idx / vec_per_row;
+  const int c = static_cast<int>(idx % vec_per_row) * 8;
+  float g[8], u[8], y[8];
+  unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + c), g);
+  unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + d + c), u);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) y[j] = round_to<T>(g[j] / (1.f + __expf(-g[j]))) * u[j];
+  uint4 packed;
+  pack8<T>(y, packed);
+  *reinterpret_cast<uint4*>(out + row * d + c) = packed;
+}
+// --8<-- [end:silu_and_mul]
+
+template <typename T, bool ADD>
+void launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
+  constexpr int NT = 128;
+  const int num_vec = p.hidden / 8;
+  void* out = p.out;
+  const dim3 grid(p.num_tokens);
+  // Enough vectors per thread to hold the whole row in registers.
+#define MINI_VLLM_RMS_LAUNCH(VPT)                                                          \
+  rms_norm_kernel<T, NT, VPT, ADD><<<grid, NT, 0, stream>>>(                               \
+      static_cast<T*>(out), static_cast<T*>(p.residual), static_cast<const T*>(p.x),       \
+      static_cast<const T*>(p.weight), p.hidden, p.x_stride, p.out_stride, p.eps)
+  if (num_vec <= NT) {
+    MINI_VLLM_RMS_LAUNCH(1);
+  } else if (num_vec <= 2 * NT) {
+    MINI_VLLM_RMS_LAUNCH(2);
+  } else if (num_vec <= 4 * NT) {
+    MINI_VLLM_RMS_LAUNCH(4);
+  } else if (num_vec <= 8 * NT) {
+    MINI_VLLM_RMS_LAUNCH(8);
+  } else {
+    throw std::invalid_argument("rms_norm: hidden size above 8192 is not supported");
+  }
+#undef MINI_VLLM_RMS_LAUNCH
+  MINI_VLLM_CHECK_LAUNCH("rms_norm");
+}
+
+template <typename T, int D>
+void launch_qk_norm_rope_d(const QkNormRopeParams& p, cudaStream_t stream) {
+  constexpr int NT = 128;
+  const int64_t warps = static_cast<int64_t>(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
+  const int64_t blocks = (warps * 32 + NT - 1) / NT;
+  qk_norm_rope_kernel<T, D><<<static_cast<unsigned>(blocks), NT, 0, stream>>>(
+      static_cast<T*>(p.qkv), static_cast<const T*>(p.q_weight),
+      static_cast<const T*>(p.k_weight), p.cos_sin_cache, p.positions, p.num_tokens,
+      p.num_q_heads, p.num_kv_heads, p.token_stride, p.eps);
+  MINI_VLLM_CHECK_LAUNCH("qk_norm_rope");
+}
+
+template <typename T>
+void launch_qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_qk_norm_rope_d<T, 64>(p, stream);
+    case 128: return launch_qk_norm_rope_d<T, 128>(p, stream);
+    case 256: return launch_qk_norm_rope_d<T, 256>(p, stream);
+    default: throw std::invalid_argument("qk_norm_rope: head_dim must be 64, 128 or 256");
+  }
+}
+
+template <typename T>
+void launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
+  constexpr int NT = 256;
+  const int64_t num_vec = static_cast<int64_t>(p.num_tokens) * (p.d / 8);
+  const int64_t blocks = (num_vec + NT - 1) / NT;
+  silu_and_mul_kernel<T><<<static_cast<unsigned>(blocks), NT, 0, stream>>>(
+      static_cast<T*>(p.out), static_cast<const T*>(p.x), p.d, num_vec);
+  MINI_VLLM_CHECK_LAUNCH("silu_and_mul");
+}
+
+}  // namespace
+
+void rms_norm(const RmsNormParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return;
+  if (p.hidden % 8) throw std::invalid_argument("rms_norm: hidden size must be a multiple of 8");
+  const bool add = p.residual != nullptr;
+  switch (p.dtype) {
+    case DType::kBFloat16:
+      return add ? launch_rms_norm<__nv_bfloat16, true>(p, stream)
+                 : launch_rms_norm<__nv_bfloat16, false>(p, stream);
+    case DType::kFloat16:
+      return add ? launch_rms_norm<__half, true>(p, stream)
+                 : launch_rms_norm<__half, false>(p, stream);
+    default: throw std::invalid_argument("rms_norm: dtype must be float16 or bfloat16");
+  }
+}
+
+void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return;
+  switch (p.dtype) {
+    case DType::kBFloat16: return launch_qk_norm_rope<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return launch_qk_norm_rope<__half>(p, stream);
+    default: throw std::invalid_argument("qk_norm_rope: dtype must be float16 or bfloat16");
+  }
+}
+
+void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return;
+  if (p.d % 8) throw std::invalid_argument("silu_and_mul: the width must be a multiple of 8");
+  switch (p.dtype) {
+    case DType::kBFloat16: return launch_silu_and_mul<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return launch_silu_and_mul<__half>(p, stream);
+    default: throw std::invalid_argument("silu_and_mul: dtype must be float16 or bfloat16");
+  }
+}
+
+}  // namespace mini_vllm

@@ -1,0 +1,69 @@
+// Host-side interface of the fused layer kernels (csrc/layer_kernels.cu).
+//
+// Like params.h: raw device pointers, sizes and a dtype code; no PyTorch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace mini_vllm {
+
+// y = w * rms_norm(x); with `residual` set: residual = x + residual first
+// (in place) and the norm is taken of the new residual.
+//   x         [num_tokens, hidden]  row stride x_stride (elements)
+//   residual  [num_tokens, hidden]  contiguous, or nullptr
+//   weight    [hidden]
+//   out       [num_tokens, hidden]  row stride out_stride (may alias x)
+struct RmsNormParams {
+  void* out = nullptr;
+  void* residual = nullptr;
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  int num_tokens = 0;
+  int hidden = 0;
+  int64_t x_stride = 0;
+  int64_t out_stride = 0;
+  float eps = 1e-6f;
+  DType dtype = DType::kBFloat16;
+};
+
+// Per-head RMSNorm then neox rotary embedding of the q and k heads of a fused
+// qkv projection output, in place.
+//   qkv            [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], row stride token_stride
+//   q/k_weight     [head_dim]
+//   cos_sin_cache  [max_position, head_dim] float32: cos in the first half, sin in the second
+//   positions      [num_tokens] int64
+struct QkNormRopeParams {
+  void* qkv = nullptr;
+  const void* q_weight = nullptr;
+  const void* k_weight = nullptr;
+  const float* cos_sin_cache = nullptr;
+  const int64_t* positions = nullptr;
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t token_stride = 0;
+  float eps = 1e-6f;
+  DType dtype = DType::kBFloat16;
+};
+
+// out = silu(x[:, :d]) * x[:, d:]
+//   x    [num_tokens, 2 * d] contiguous
+//   out  [num_tokens, d]     contiguous
+struct SiluAndMulParams {
+  void* out = nullptr;
+  const void* x = nullptr;
+  int num_tokens = 0;
+  int d = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+void rms_norm(const RmsNormParams& p, cudaStream_t stream);
+void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream);
+void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+
+}  // namespace mini_vllm

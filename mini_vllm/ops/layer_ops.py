@@ -1,0 +1,158 @@
+"""Fused element-wise kernels of a Qwen3 layer, and their torch references.
+
+Each function has a `*_ref` twin in plain torch that performs the eager
+model's operations in the same order (so both round alike); the model calls
+the kernel on CUDA when the module is built and the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mini_vllm.ops._checks import check_same_device, check_tensor
+from mini_vllm.ops._extension import dtype_code, extension
+
+LAYER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# --8<-- [start:references]
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`w * rms_norm(x)`; with `residual`: `residual = x + residual` first, normed instead.
+
+    Returns:
+        (normed, new residual or None).
+    """
+    if residual is not None:
+        x = residual = x + residual
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps), residual
+
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     positions: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm then neox RoPE of `q [T, Hq, D]` and `k [T, Hkv, D]`."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+
+    def norm_rope(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = w * F.rms_norm(x, (x.shape[-1],), eps=eps)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return norm_rope(q, q_weight), norm_rope(k, k_weight)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `x = [gate | up]` along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+# --8<-- [end:references]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CUDA kernel of `rms_norm_ref` (with `residual`: updated in place).
+
+    Args:
+        x: [T, hidden], float16 or bfloat16, rows dense (any row stride).
+        weight: [hidden], same dtype.
+        eps: the norm's epsilon.
+        residual: [T, hidden] contiguous, or None.
+
+    Returns:
+        (a new [T, hidden] tensor, `residual` after `residual += x`).
+
+    Raises:
+        ValueError: on a wrong dtype, shape, layout or device.
+    """
+    check_tensor("x", x, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
+    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,))
+    num_tokens, hidden = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("x: the hidden dimension must be dense")
+    if weight.shape[0] != hidden:
+        raise ValueError(f"weight has {weight.shape[0]} elements for hidden size {hidden}")
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,))
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+        tensors["residual"] = residual
+    device = check_same_device(**tensors)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=device)
+    extension().rms_norm(
+        out.data_ptr(), 0 if residual is None else residual.data_ptr(), x.data_ptr(),
+        weight.data_ptr(), num_tokens, hidden, x.stride(0), out.stride(0), eps,
+        dtype_code(x.dtype), _stream(device))
+    return out, residual
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float) -> None:
+    """The CUDA kernel of `qk_norm_rope_ref`, in place on the q and k parts of `qkv`.
+
+    Args:
+        qkv: [T, (Hq + 2 * Hkv) * D] output of the fused projection (q, k, v).
+        q_weight, k_weight: [D].
+        cos_sin_cache: [max_position, D] float32, cos then sin.
+        positions: [T] int64.
+
+    Raises:
+        ValueError: on a wrong dtype, shape, layout or device.
+    """
+    check_tensor("qkv", qkv, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
+    check_tensor("q_weight", q_weight, ndim=1, dtypes=(qkv.dtype,))
+    check_tensor("k_weight", k_weight, ndim=1, dtypes=(qkv.dtype,))
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,))
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} is not supported (64, 128, 256)")
+    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv: shape {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x "
+                         f"{num_kv_heads} dense heads of {head_dim}")
+    if q_weight.shape[0] != head_dim or k_weight.shape[0] != head_dim:
+        raise ValueError("q_weight and k_weight must have head_dim elements")
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
+    if positions.shape[0] != qkv.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {qkv.shape[0]} tokens")
+    device = check_same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight,
+                               cos_sin_cache=cos_sin_cache, positions=positions)
+    extension().qk_norm_rope(
+        qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
+        positions.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
+        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The CUDA kernel of `silu_and_mul_ref`: [T, 2d] -> [T, d].
+
+    Raises:
+        ValueError: on a wrong dtype, shape, layout or device.
+    """
+    check_tensor("x", x, ndim=2, dtypes=LAYER_DTYPES)
+    if x.shape[1] % 16:
+        raise ValueError(f"x: width {x.shape[1]} must be a multiple of 16")
+    device = check_same_device(x=x)
+    d = x.shape[1] // 2
+    out = torch.empty((x.shape[0], d), dtype=x.dtype, device=device)
+    extension().silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], d,
+                             dtype_code(x.dtype), _stream(device))
+    return out
+
+
+__all__ = [
+    "qk_norm_rope",
+    "qk_norm_rope_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]
