@@ -6,9 +6,13 @@ One call of `step()` is one iteration of continuous batching:
 Scheduler.schedule()          which requests run, how many new tokens each (phase 4)
   └─► ModelRunner.execute()   one flat batch through Qwen3 over the paged cache (phases 2-3)
         └─► Sampler()         one token per request that finished its prompt (phase 5)
-              └─► .tolist()   the step's one host synchronisation
+              └─► _HostCopy   sampled ids to pinned memory; waiting for it is
+                    │         the step's one host synchronisation
                     └─► detokenize + stop checks ─► RequestOutput deltas (phases 1, 5)
 ```
+
+With async scheduling (on by default on a GPU) the next step is launched
+before this one is read back, so the host's work overlaps the device's.
 
 A request with `n > 1` becomes `n` child requests (`"<id>#<i>"`) that share
 the prompt's cached blocks; their outputs are gathered back under the
@@ -324,7 +328,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
             )
             sampled = self.sampler(logits, metadata)
-        except Exception as e:  # noqa: BLE001 - fail these requests, keep the engine alive
+        except Exception as e:  # fail these requests, keep the engine alive
             logger.exception("engine step failed")
             return self._fail([s.request.request_id for s in sched.scheduled], repr(e))
         rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
@@ -473,6 +477,7 @@ class _LogprobRows:
         return entry
 
 
+# --8<-- [start:host_copy]
 class _HostCopy:
     """A sampler output on its way to the host.
 
@@ -500,8 +505,10 @@ class _HostCopy:
         token_ids = self.tensors[0].tolist()
         logprobs = _LogprobRows(*self.tensors[1:]) if len(self.tensors) > 1 else None
         return token_ids, logprobs
+# --8<-- [end:host_copy]
 
 
+# --8<-- [start:launched_step]
 @dataclass
 class _Step:
     """A launched step: who sampled (and where their placeholder is), and the results."""
@@ -511,6 +518,7 @@ class _Step:
     row_of: dict[str, int]  # child request id -> row of `sampled`
     sampled: torch.Tensor | None  # [rows] on the device, read by the next step
     needs_values: bool  # a row uses penalties: read it back before the next schedule
+# --8<-- [end:launched_step]
 
 
 __all__ = ["LLMEngine", "ProcessedRequest", "load_generation_config"]

@@ -219,6 +219,7 @@ class KVCacheManager:
         block_ids = self.req_to_block_ids[req_id]
         block_ids.extend(b.block_id for b in new_blocks)
 
+        # --8<-- [start:cache_known_blocks]
         if self.enable_caching:
             # Blocks holding a token not read back yet are entered later (their
             # hash needs the value), at the request's next allocation.
@@ -232,6 +233,7 @@ class KVCacheManager:
                     req_blocks, block_hashes, self.num_cached_blocks[req_id], num_full
                 )
                 self.num_cached_blocks[req_id] = num_full
+        # --8<-- [end:cache_known_blocks]
         return list(block_ids)
     # --8<-- [end:allocate_slots]
 

@@ -27,12 +27,14 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.ops import layer_ops
 
 
+# --8<-- [start:use_kernels]
 def layer_kernels_usable(config: ModelConfig, device: torch.device | str | None,
                          dtype: torch.dtype | None) -> bool:
     """Whether the fused CUDA layer kernels (phase 9) can run this model."""
     return (torch.device(device or "cpu").type == "cuda" and ops.is_available()
             and dtype in layer_ops.LAYER_DTYPES and config.head_dim in (64, 128, 256)
             and config.hidden_size % 8 == 0 and config.intermediate_size % 8 == 0)
+# --8<-- [end:use_kernels]
 
 
 # --8<-- [start:linear]
@@ -349,6 +351,7 @@ class Qwen3Model(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, device
         )
 
+    # --8<-- [start:model_forward]
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -365,6 +368,7 @@ class Qwen3Model(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(rope, h, residual, kv_cache, attn_metadata)
         return self.norm.add_norm(h, residual)[0]
+    # --8<-- [end:model_forward]
 
 
 # --8<-- [start:causal_lm]

@@ -14,7 +14,7 @@ from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFail
 
 pytestmark = pytest.mark.phase6
 
-ENGINE_ARGS = dict(num_gpu_blocks_override=128, max_num_seqs=16, max_model_len=512, seed=0)
+ENGINE_ARGS = {"num_gpu_blocks_override": 128, "max_num_seqs": 16, "max_model_len": 512, "seed": 0}
 
 
 @pytest.fixture(scope="module")
@@ -267,9 +267,9 @@ def test_shutdown_ends_requests_in_flight(tiny_model_dir):
 # --- async scheduling: the next step is planned before this one's tokens are read --------
 
 @pytest.mark.parametrize("engine_args", [
-    dict(),
-    dict(num_gpu_blocks_override=11, max_model_len=160),  # preemptions
-    dict(max_num_batched_tokens=8),  # chunked prefill
+    {},
+    {"num_gpu_blocks_override": 11, "max_model_len": 160},  # preemptions
+    {"max_num_batched_tokens": 8},  # chunked prefill
 ])
 def test_async_scheduling_gives_the_same_outputs(tiny_model_dir, engine_args):
     """Placeholders, late stop checks and dropped extra tokens change no output."""
