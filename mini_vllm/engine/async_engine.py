@@ -58,6 +58,12 @@ class _Stream:
             pass
 
 
+def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Runs in the caller's event loop: hand each output to its request's queue."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
 @dataclass
 class _Add:
     request: ProcessedRequest
@@ -221,16 +227,23 @@ class AsyncLLM:
                 self._dispatch(self.engine.abort_request(live))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One hand-off per event loop per step, not one per request: each
+        # call_soon_threadsafe wakes the loop (a write to its self-pipe) and
+        # makes the two threads trade the GIL.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.error is not None:
-                stream.put(RequestFailedError(out.error))
-            else:
-                stream.put(out)
+            item = RequestFailedError(out.error) if out.error is not None else out
+            batches.setdefault(stream.loop, []).append((stream, item))
             if out.finished or out.error is not None:
                 del self._streams[out.request_id]
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
     # --8<-- [end:dispatch]
 
     # --8<-- [start:fail_all]
