@@ -21,11 +21,13 @@
 namespace mini_vllm {
 namespace {
 
+// --8<-- [start:round_to]
 // Round a float to the storage type and back: what one eager torch op does.
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {
   return TypeTraits<T>::to_float(TypeTraits<T>::from_float(x));
 }
+// --8<-- [end:round_to]
 // --8<-- [end:rounding]
 
 template <typename T>

@@ -162,6 +162,7 @@ class CudaAttentionBackend:
         else:
             write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
 
+    # --8<-- [start:split]
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -198,6 +199,7 @@ class CudaAttentionBackend:
             meta.prefill_context_lens_cpu,
             None if key is None else key[nd:], None if value is None else value[nd:])
         return out
+    # --8<-- [end:split]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,

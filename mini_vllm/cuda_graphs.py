@@ -45,6 +45,7 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMe
                      torch.Tensor]
 
 
+# --8<-- [start:capture_sizes]
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, up to the limit.
 
@@ -54,6 +55,7 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[i
     sizes = [s for s in (1, 2, 4) if s < limit]
     sizes += list(range(8, limit, 8))
     return sorted(set(sizes) | {limit})
+# --8<-- [end:capture_sizes]
 
 
 # --8<-- [start:graph_runner]
@@ -123,6 +125,7 @@ class CudaGraphRunner:
         return self.forward(self.token_inputs[0, :bs], self.token_inputs[1, :bs],
                             self.kv_caches, self._metadata(bs))
 
+    # --8<-- [start:capture]
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every size, largest first, into one memory pool."""
@@ -147,7 +150,9 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - start)
+    # --8<-- [end:capture]
 
+    # --8<-- [start:replay]
     def run(self, token_inputs: torch.Tensor, context_lens: torch.Tensor,
             block_tables: torch.Tensor,
             token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -178,6 +183,7 @@ class CudaGraphRunner:
             return self._run_eager(bs)
         graph.replay()
         return self.outputs[bs]
+    # --8<-- [end:replay]
 # --8<-- [end:graph_runner]
 
 
