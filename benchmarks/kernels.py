@@ -3,7 +3,9 @@
 For each shape (batch x context, block size, query / KV heads, head_dim 128,
 bf16) it times
 
-* ``ours``: ``mini_vllm.ops.paged_decode_attention`` (version 5 unless told),
+* ``ours``: ``mini_vllm.ops.paged_decode_attention`` (the default version
+  unless ``--version`` says otherwise; the main table also times the other
+  of versions 5 and 6 as ``ours_v5`` / ``ours_v6``),
 * ``gather_sdpa``: gather the paged K/V into a padded batch, then
   ``scaled_dot_product_attention`` (a paged path in plain PyTorch),
 * ``sdpa_contig``: SDPA over K/V stored contiguously (not paged: the cost of
@@ -27,7 +29,10 @@ Run it from the repository root after ``bash scripts/build_kernels.sh``::
 
 Tables: ``main`` (16/8 heads, block 16), ``heads32`` (32/8 heads),
 ``block_sizes``, ``versions`` (the chapter's kernel versions),
-``tuning`` (partition sizes and unroll depths), ``prefill``.
+``pipeline`` (version 6's unroll and ring depths against version 5 and SDPA
+on contiguous K/V, at the shapes of the bar), ``layout`` (one KV head with
+blocks in order: the paged cache then holds the bytes in SDPA's contiguous
+order), ``tuning`` (partition sizes and unroll depths), ``prefill``.
 """
 
 from __future__ import annotations
@@ -347,6 +352,12 @@ def bar_report(main: list[dict]) -> dict:
     """The phase's bar on the main table (16/8 heads, head_dim 128, bf16)."""
     res = {"bw_90pct_at_batch64_ctx1k": True, "ge_sdpa_contig_at_batch64_ctx1k": True,
            "beats_paged_torch_everywhere": True, "misses": []}
+    # ours / SDPA-contiguous time at the bar's shapes: < 1 is faster.
+    ratios = [r["paths"]["ours"]["us"] / r["paths"]["sdpa_contig"]["us"] for r in main
+              if r["batch"] >= 64 and r["context"] >= 1024
+              and "us" in r["paths"].get("ours", {}) and "us" in r["paths"].get("sdpa_contig", {})]
+    if ratios:
+        res["time_vs_sdpa_contig_at_batch64_ctx1k"] = {"min": min(ratios), "max": max(ratios)}
     for row in main:
         p = row["paths"]
         ours = p.get("ours", {})
@@ -376,6 +387,16 @@ def main_shapes() -> list[tuple[int, int, int, int, int]]:
             for c in (128, 512, 1024, 2048, 4096, 8192)]
 
 
+# (unroll, stages) of version 6 in the pipeline table; the first is the default.
+PIPELINE_DEPTHS = ((2, 3), (2, 4), (2, 6), (1, 8), (4, 2), (4, 3), (4, 4))
+
+
+def pipeline_shapes() -> list[tuple[int, int, int, int, int]]:
+    """The shapes of the bar (batch >= 64, context >= 1k) and three smaller ones."""
+    return ([(b, c, 16, 16, 8) for b in (64, 128, 256) for c in (1024, 2048, 4096, 8192)]
+            + [(1, 8192, 16, 16, 8), (8, 4096, 16, 16, 8), (32, 1024, 16, 16, 8)])
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -393,11 +414,35 @@ def run(args: argparse.Namespace) -> dict:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
 
-    torch_paths = ["ours", "gather_sdpa", "sdpa_contig", "flex_contig"]
+    ours_kw = {"version": args.version}
+    result["version"] = args.version
+    if "pipeline" in tables:
+        print("pipeline: version 6 depths (unroll/stages) vs version 5 and SDPA, contiguous")
+        variants = {"ours_v5": {"version": 5}}
+        variants |= {f"ours_v6_u{u}s{st}": {"version": 6, "unroll": u, "stages": st}
+                     for u, st in PIPELINE_DEPTHS}
+        result["pipeline"] = bench_decode(pipeline_shapes(), [*variants, "sdpa_contig"], copy_bw,
+                                          device, check=False, variants=variants)
+        save()
+    # The other pipelined version, timed beside `ours` in the same rows.
+    others = {f"ours_v{v}": {"version": v} for v in (5, 6) if v != args.version}
+    if "layout" in tables:
+        print("layout: one KV head, blocks in order (SDPA's byte order) vs scattered")
+        result["layout"] = []
+        for scattered in (False, True):
+            rows = bench_decode([(512, 4096, 16, 2, 1), (2048, 1024, 16, 2, 1)],
+                                ["ours", *others, "sdpa_contig"], copy_bw, device,
+                                ours_kw=ours_kw, variants=others, scattered=scattered)
+            for r in rows:
+                r["scattered"] = scattered
+            result["layout"] += rows
+        save()
+    torch_paths = ["ours", *others, "gather_sdpa", "sdpa_contig", "flex_contig"]
     if "main" in tables:
-        print("main: 16 q / 8 kv heads, block 16")
+        print(f"main: 16 q / 8 kv heads, block 16 (ours: version {args.version})")
         result["main"] = bench_decode(main_shapes(), torch_paths, copy_bw, device,
-                                      flex_budget_s=args.flex_budget)
+                                      flex_budget_s=args.flex_budget, ours_kw=ours_kw,
+                                      variants=others)
         result["bar"] = bar_report(result["main"])
         save()
     if "heads32" in tables:
@@ -405,13 +450,14 @@ def run(args: argparse.Namespace) -> dict:
         shapes = [(b, c, 16, 32, 8) for b in (1, 16, 64, 256) for c in (128, 1024, 4096, 8192)]
         result["heads32"] = bench_decode(
             shapes, ["ours", "ours_gt4", "gather_sdpa", "sdpa_contig"], copy_bw, device,
-            variants={"ours_gt4": {"group_per_cta": 4}})
+            ours_kw=ours_kw, variants={"ours_gt4": {**ours_kw, "group_per_cta": 4}})
         save()
     if "block_sizes" in tables:
         print("block_sizes: 16 q / 8 kv heads")
         shapes = [(b, c, bs, 16, 8) for b, c in ((1, 8192), (8, 512), (64, 2048), (256, 1024))
                   for bs in (16, 32, 64, 128, 256)]
-        result["block_sizes"] = bench_decode(shapes, ["ours", "gather_sdpa"], copy_bw, device)
+        result["block_sizes"] = bench_decode(shapes, ["ours", "gather_sdpa"], copy_bw, device,
+                                             ours_kw=ours_kw)
         save()
     if "versions" in tables:
         print("versions: 16 q / 8 kv heads, block 16")
@@ -460,8 +506,10 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-PATH_NAMES = {"ours": "ours", "ours_gt4": "ours, 4 heads/CTA", "gather_sdpa": "gather + SDPA",
-              "sdpa_contig": "SDPA, contiguous", "flex_contig": "Flex, contiguous"}
+PATH_NAMES = {"ours": "ours", "ours_v5": "ours, v5", "ours_v6": "ours, v6",
+              "ours_gt4": "ours, 4 heads/CTA",
+              "gather_sdpa": "gather + SDPA", "sdpa_contig": "SDPA, contiguous",
+              "flex_contig": "Flex, contiguous"}
 
 
 def _cell(r: dict | None) -> str:
@@ -475,11 +523,13 @@ def report(path: Path) -> None:
     d = json.loads(path.read_text())
     print(f"{d['device']}, PyTorch {d['torch']}, copy {d['copy_bandwidth_gbps'] / 1e3:.2f} TB/s "
           "(read + write); each cell: time per call · achieved bandwidth / copy bandwidth\n")
+    version = d.get("version", 5)
     for table in ("main", "heads32", "block_sizes"):
         rows = d.get(table)
         if not rows:
             continue
         paths = [p for p in PATH_NAMES if any(p in r["paths"] for r in rows)]
+        print(f"(ours: version {version})\n")
         first = "block size | " if table == "block_sizes" else ""
         print(f"**{table}**\n")
         print(f"| batch × context | {first}" + " | ".join(PATH_NAMES[p] for p in paths) + " |")
@@ -498,6 +548,33 @@ def report(path: Path) -> None:
             by = {(r["batch"], r["context"]): r for r in d["versions"] if r["version"] == v}
             print(f"| v{v} | " + " | ".join(_cell(by[s]["paths"].get("ours")) for s in shapes)
                   + " |")
+        print()
+    if d.get("pipeline"):
+        rows = d["pipeline"]
+        names = list(rows[0]["paths"])
+        print("**pipeline** (µs per call; version 6 as unroll/stages)\n")
+        print("| batch × context | " + " | ".join(
+            n.removeprefix("ours_").replace("v6_", "v6 ").replace("sdpa_contig", "SDPA, contig.")
+            for n in names) + " |")
+        print("|---|" + "---|" * len(names))
+        for r in rows:
+            best = min(v["us"] for v in r["paths"].values() if "us" in v)
+            print(f"| {r['batch']} × {r['context']} | " + " | ".join(
+                "-" if "us" not in r["paths"].get(n, {}) else
+                (f"**{r['paths'][n]['us']:.1f}**" if r["paths"][n]["us"] == best
+                 else f"{r['paths'][n]['us']:.1f}") for n in names) + " |")
+        print()
+    if d.get("layout"):
+        names = list(d["layout"][0]["paths"])
+        print("**layout** (2 query / 1 KV head; µs per call)\n")
+        print("| batch × context | blocks | " + " | ".join(PATH_NAMES.get(n, n) for n in names)
+              + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in d["layout"]:
+            print(f"| {r['batch']} × {r['context']} | "
+                  f"{'scattered' if r['scattered'] else 'in order'} | " + " | ".join(
+                      f"{r['paths'][n]['us']:.1f}" if "us" in r["paths"].get(n, {}) else "-"
+                      for n in names) + " |")
         print()
     if d.get("prefill"):
         names = list(d["prefill"][0]["paths"])
@@ -547,12 +624,17 @@ def main() -> None:
     parser.add_argument("--tables", nargs="+",
                         default=["main", "heads32", "block_sizes", "versions", "prefill"],
                         help="which tables to run")
+    parser.add_argument("--version", type=int, default=ops.DEFAULT_DECODE_VERSION,
+                        choices=ops.DECODE_VERSIONS,
+                        help="the kernel version timed as `ours` (default: the engine's)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"),
                         help="where to write the JSON results")
     parser.add_argument("--flex-budget", type=float, default=90.0,
                         help="seconds of FlexAttention compiling and timing before it is skipped")
     parser.add_argument("--profile", metavar="BATCH,CONTEXT,BLOCK",
                         help="only run our kernel 5 times at one shape (for ncu)")
+    parser.add_argument("--profile-path", default="ours", choices=["ours", "sdpa_contig"],
+                        help="what --profile runs: our kernel or SDPA on contiguous K/V")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="print the tables of a results file as markdown and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -571,8 +653,9 @@ def main() -> None:
     if args.profile:
         batch, ctx, block_size = (int(x) for x in args.profile.split(","))
         case = DecodeCase(batch, ctx, block_size, 16, 8, torch.device("cuda"),
-                          contiguous=False, gather_index=False)
-        call = path_calls(case, "ours")[0]
+                          contiguous=args.profile_path == "sdpa_contig", gather_index=False)
+        kw = {"version": args.version} if args.profile_path == "ours" else {}
+        call = path_calls(case, args.profile_path, **kw)[0]
         for _ in range(5):
             call()
         torch.cuda.synchronize()

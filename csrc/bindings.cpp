@@ -40,7 +40,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
             int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
             int64_t q_stride, int max_context_len, int partition_size, int max_splits,
             float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
-            int heads_per_cta) {
+            int heads_per_cta, int stages) {
   DecodeParams p;
   p.out = as_ptr<void>(out);
   p.q = as_ptr<const void>(q);
@@ -65,6 +65,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
   p.unroll = unroll;
   p.cluster = cluster;
   p.heads_per_cta = heads_per_cta;
+  p.stages = stages;
   if (num_seqs == 0) return;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
     throw std::invalid_argument("num_q_heads must be a positive multiple of num_kv_heads");
@@ -78,6 +79,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
     case 3: return paged_attention_v3(p, as_stream(stream));
     case 4: return paged_attention_v4(p, as_stream(stream));
     case 5: return paged_attention_v5(p, as_stream(stream));
+    case 6: return paged_attention_v6(p, as_stream(stream));
     default: throw std::invalid_argument("unknown kernel version " + std::to_string(version));
   }
 }
@@ -86,7 +88,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mini-vllm CUDA kernels (raw-pointer interface; use mini_vllm.ops)";
-  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5);
+  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6);
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
   register_layer_ops(m);
 
@@ -98,7 +100,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_blocks_per_seq"), py::arg("q_stride"), py::arg("max_context_len"),
         py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
         py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
-        py::arg("heads_per_cta") = 0);
+        py::arg("heads_per_cta") = 0, py::arg("stages") = 0);
 
   m.def(
       "reshape_and_cache",

@@ -58,6 +58,8 @@ struct DecodeParams {
   // Query heads one CTA serves (1, 2, 4 or 8, dividing the GQA group);
   // 0: the largest that divides the group.
   int heads_per_cta = 0;
+  // Version 6 only: shared-memory stages of the cp.async ring (0: default).
+  int stages = 0;
 };
 
 // One launcher per numbered version of the decode kernel (see the chapter).
@@ -66,6 +68,7 @@ void paged_attention_v2(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v3(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v4(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v5(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v6(const DecodeParams& p, cudaStream_t stream);
 
 // New tokens' K and V into their cache slots (slot -1: skip).
 struct CacheWriteParams {

@@ -1,9 +1,10 @@
 """Paged decode attention: one new query token per sequence over its paged context.
 
 The CUDA kernel (csrc/paged_attention/) comes in numbered versions, each a
-step of chapter 8; version 5 is the one the engine uses. Splitting long
-contexts over several CTAs (split-K) is decided here, on the host, from the
-batch shape only, so a CUDA graph captured for a shape replays correctly.
+step of chapter 8; `DEFAULT_DECODE_VERSION` is the one the engine uses.
+Splitting long contexts over several CTAs (split-K) is decided here, on the
+host, from the batch shape only, so a CUDA graph captured for a shape
+replays correctly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mini_vllm.ops._checks import (
 )
 from mini_vllm.ops._extension import dtype_code, extension
 
-DECODE_VERSIONS = (1, 2, 3, 4, 5)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6)
 DEFAULT_DECODE_VERSION = 5
 MIN_PARTITION_SIZE = 64
 # More splits than this per sequence cost more in set-up and combine than the
@@ -32,18 +33,19 @@ MAX_PARTITION_SIZE = 4096
 _TARGET_CTAS_PER_SM = 2
 
 
-# Version 5 serves at most this many query heads per CTA: with 4 (Qwen3-8B's
-# 32/8 heads) a thread holds too many queries and accumulators, and two CTAs
-# that read the same KV head (the second read mostly from L2) are faster.
+# Versions 5 and 6 serve at most this many query heads per CTA: with 4
+# (Qwen3-8B's 32/8 heads) a thread holds too many queries and accumulators,
+# and two CTAs that read the same KV head (the second read mostly from L2)
+# are faster.
 _V5_MAX_HEADS_PER_CTA = 2
 
 
 def heads_per_cta(num_q_heads: int, num_kv_heads: int, version: int = DEFAULT_DECODE_VERSION,
                   ) -> int:
     """Query heads one CTA serves: the largest of 8, 4, 2, 1 dividing the GQA group
-    (at most 2 in version 5)."""
+    (at most 2 in versions 5 and 6)."""
     group = num_q_heads // num_kv_heads
-    limit = _V5_MAX_HEADS_PER_CTA if version == 5 else 8
+    limit = _V5_MAX_HEADS_PER_CTA if version >= 5 else 8
     return next(g for g in (8, 4, 2, 1) if group % g == 0 and g <= limit)
 
 
@@ -97,6 +99,7 @@ def paged_decode_attention(
     unroll: int = 0,
     cluster: int = 0,
     group_per_cta: int | None = None,
+    stages: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (GQA aware).
 
@@ -116,16 +119,21 @@ def paged_decode_attention(
             device sync). Under CUDA graphs pass the same bound (e.g.
             max_model_len) at capture and replay.
         out: optional [num_seqs, num_q_heads, head_dim] contiguous output.
-        version: kernel version 1-5 (see chapter 8); 5 is the fastest.
+        version: kernel version 1-6 (see chapter 8); `DEFAULT_DECODE_VERSION`
+            is the fastest.
         partition_size: tokens per split (power of two, >= 16) for versions
             3-5; None picks one from the batch shape.
-        unroll: tokens per lane per step in versions 4 and 5 (0: default;
-            version 4 also builds 2 and 8, version 5 both 2 and 4, for
-            bfloat16 / head_dim 128 only: a tuning knob).
+        unroll: tokens per lane per step in versions 4-6 (0: default;
+            version 4 also builds 2 and 8, version 5 both 2 and 4, version 6
+            1, 2 and 4, for bfloat16 / head_dim 128 only: a tuning knob).
         cluster: version 5 on sm_90+: run the CTAs of neighbouring KV heads
             as thread-block clusters of this size (0: off; an experiment).
         group_per_cta: query heads per CTA (1, 2, 4 or 8 dividing the GQA
             group); None: `heads_per_cta(...)` for this version.
+        stages: version 6 only: steps in its shared-memory ring (0: the
+            default, 3 at unroll 2; built besides: unroll/stages 1/8, 2/4,
+            2/6, 4/2, 4/3, 4/4 for bfloat16 / head_dim 128 and at most 2
+            query heads per CTA: a tuning knob).
 
     Returns:
         `out`, [num_seqs, num_q_heads, head_dim] in the query's dtype.
@@ -157,6 +165,10 @@ def paged_decode_attention(
             raise ValueError(f"out: shape {tuple(out.shape)} != query {tuple(query.shape)}")
     if version not in DECODE_VERSIONS:
         raise ValueError(f"version {version} is not one of {DECODE_VERSIONS}")
+    if stages < 0:
+        raise ValueError(f"stages must be >= 0, got {stages}")
+    if stages and version != 6:
+        raise ValueError(f"stages applies to version 6 only, not to version {version}")
     if partition_size is not None and (partition_size < 16
                                        or partition_size & (partition_size - 1)):
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
@@ -201,5 +213,5 @@ def paged_decode_attention(
             num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
             query.stride(0), max_context_len, partition_size, max_splits, float(scale),
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
-            cluster, group_per_cta)
+            cluster, group_per_cta, stages)
     return out

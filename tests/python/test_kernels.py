@@ -35,6 +35,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 # model, a group of 8 at head_dim 64, a group of 5 (served one head per CTA),
 # and plain multi-head attention.
 HEAD_SHAPES = ((16, 8, 128), (32, 8, 128), (4, 2, 32), (16, 2, 64), (40, 8, 128), (8, 8, 64))
+# The versions an engine would pick (the default among them): each is held to
+# every shape, dtype and block size below.
+FAST_VERSIONS = (5, 6)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -115,33 +118,37 @@ def _gen(*key: object) -> torch.Generator:
 # ----------------------------------------------------------------------------
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("version", FAST_VERSIONS)
 @pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_matches_reference(dtype: torch.dtype, block_size: int,
-                                  heads: tuple[int, int, int]) -> None:
-    gen = _gen("decode", str(dtype), block_size, heads)
+                                  heads: tuple[int, int, int], version: int) -> None:
+    gen = _gen("decode", str(dtype), block_size, heads, version)
     _run_decode(_context_lens(7, 3 * block_size + 5, block_size, gen), block_size, heads,
-                dtype, gen)
-    _run_decode(_context_lens(3, 2000, block_size, gen), block_size, heads, dtype, gen)
+                dtype, gen, version=version)
+    _run_decode(_context_lens(3, 2000, block_size, gen), block_size, heads, dtype, gen,
+                version=version)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("version", FAST_VERSIONS)
 @pytest.mark.parametrize(("batch", "max_ctx"), [(1, 1), (1, 8192), (8, 8192), (64, 1024),
                                                  (256, 2048), (256, 37)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_batches_and_long_contexts(dtype: torch.dtype, batch: int, max_ctx: int) -> None:
-    gen = _gen("batches", str(dtype), batch, max_ctx)
+def test_decode_batches_and_long_contexts(dtype: torch.dtype, batch: int, max_ctx: int,
+                                          version: int) -> None:
+    gen = _gen("batches", str(dtype), batch, max_ctx, version)
     lens = _context_lens(batch, max_ctx, 16, gen)
     if batch == 1:
         lens = [max_ctx]
-    _run_decode(lens, 16, (16, 8, 128), dtype, gen)
+    _run_decode(lens, 16, (16, 8, 128), dtype, gen, version=version)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("version", [3, 4, 5, 6])
 @pytest.mark.parametrize("partition_size", [16, 32, 64, 512])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_decode_split_k_partitions(block_size: int, partition_size: int, version: int) -> None:
@@ -154,7 +161,7 @@ def test_decode_split_k_partitions(block_size: int, partition_size: int, version
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("heads", [(16, 8, 128), (4, 2, 32), (40, 8, 128)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_every_version(version: int, heads: tuple[int, int, int],
@@ -165,16 +172,34 @@ def test_decode_every_version(version: int, heads: tuple[int, int, int],
                     version=version)
 
 
+# (version, unroll, stages): every depth built besides the defaults.
+TUNING_DEPTHS = [(4, 2, 0), (4, 8, 0), (5, 2, 0), (5, 4, 0), (6, 1, 8), (6, 2, 4), (6, 2, 6),
+                 (6, 4, 2), (6, 4, 3), (6, 4, 4), (6, 4, 0), (6, 0, 4), (6, 1, 0)]
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize(("version", "unroll"), [(4, 2), (4, 8), (5, 2), (5, 4)])
+@pytest.mark.parametrize(("version", "unroll", "stages"), TUNING_DEPTHS)
 @pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128)], ids=str)
-def test_decode_tuning_unrolls(version: int, unroll: int, heads: tuple[int, int, int]) -> None:
-    gen = _gen("unroll", version, unroll, heads)
-    for block_size, partition_size in ((32, None), (16, 64), (256, 32)):
+def test_decode_tuning_unrolls(version: int, unroll: int, stages: int,
+                               heads: tuple[int, int, int]) -> None:
+    gen = _gen("unroll", version, unroll, stages, heads)
+    kw = {"stages": stages} if stages else {}
+    for block_size, partition_size in ((32, None), (16, 64), (256, 32), (16, 16)):
         _run_decode(_context_lens(5, 2500, block_size, gen), block_size, heads,
                     torch.bfloat16, gen, version=version, unroll=unroll,
-                    partition_size=partition_size)
+                    partition_size=partition_size, **kw)
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_v6_depth_not_built_says_so() -> None:
+    k_cache, v_cache, tables, lens = _paged_batch([40], 16, 8, 128, torch.bfloat16, "cuda",
+                                                  _gen("not built"))
+    query = torch.randn((1, 16, 128), device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="not built"):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40, version=6,
+                                   unroll=4, stages=7)
 
 
 @pytest.mark.gpu
@@ -190,7 +215,7 @@ def test_decode_cluster_launch(cluster: int) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("version", [3, 4, 5, 6])
 @pytest.mark.parametrize("group_per_cta", [1, 2, 4, 8])
 def test_decode_heads_per_cta(group_per_cta: int, version: int) -> None:
     """Any tiling of a GQA group of 8 over CTAs gives the same result."""
@@ -222,19 +247,22 @@ def test_decode_zero_context_and_strided_query() -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_decode_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("version", FAST_VERSIONS)
+def test_decode_replays_in_a_cuda_graph(version: int) -> None:
     """Captured once with a bound on the context, replayed with other lengths."""
-    gen = _gen("graph")
+    gen = _gen("graph", version)
     bound = 2048
     k_cache, v_cache, tables, _ = _paged_batch([bound] * 4, 16, 8, 128, torch.bfloat16,
                                                "cuda", gen)
     query = torch.randn((4, 16, 128), generator=gen, device="cuda").to(torch.bfloat16)
     lens = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
     out = torch.empty_like(query)
-    ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out)
+    ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out,
+                               version=version)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out)
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.09, bound, out=out,
+                                   version=version)
     for new_lens in ([2048, 1, 1000, 17], [5, 1500, 2000, 64]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         query.copy_(torch.randn((4, 16, 128), generator=gen, device="cuda"))
@@ -376,6 +404,8 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
     ({"out": torch.empty(2, 16, 64, dtype=torch.bfloat16)}, "out: shape"),
     ({"version": 7}, "version 7 is not one of"),
+    ({"version": 5, "stages": 3}, "stages applies to version 6 only"),
+    ({"version": 6, "stages": -1}, "stages must be >= 0"),
     ({"partition_size": 48}, "partition_size 48 must be a power of two"),
     ({}, "must be on a CUDA device"),
 ])
