@@ -43,15 +43,17 @@ def engine_config(model_dir: Path, **overrides: object) -> EngineConfig:
 
 
 class Blocks:
-    """Hands out block ids 1..NUM_BLOCKS-1, shuffled so tables are not contiguous."""
+    """Hands out block ids 1..num_blocks-1, shuffled so tables are not contiguous."""
 
-    def __init__(self, shuffle: bool, seed: int = 0) -> None:
-        self.free = list(range(1, NUM_BLOCKS))
+    def __init__(self, shuffle: bool, seed: int = 0, num_blocks: int = NUM_BLOCKS,
+                 block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.free = list(range(1, num_blocks))
         if shuffle:
             random.Random(seed).shuffle(self.free)
 
     def table(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // BLOCK_SIZE)
+        n = -(-num_tokens // self.block_size)
         table, self.free = self.free[:n], self.free[n:]
         return table
 

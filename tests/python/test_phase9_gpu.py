@@ -9,11 +9,11 @@ the torch fallbacks, so CI checks it too.
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from test_phase2 import Blocks, random_prompts  # phase 9 reuses phase 2's test helpers
 
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs, EngineConfig
@@ -40,22 +40,9 @@ def engine_config(model_dir: Path, device: str, dtype: str, **overrides: object)
     return EngineArgs(**args).create_engine_config()
 
 
-class Blocks:
-    """Hands out shuffled block ids 1..NUM_BLOCKS-1."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.free = list(range(1, NUM_BLOCKS))
-        random.Random(seed).shuffle(self.free)
-
-    def table(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // BLOCK_SIZE)
-        table, self.free = self.free[:n], self.free[n:]
-        return table
-
-
-def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+def make_blocks(seed: int = 0) -> Blocks:
+    """Shuffled block ids of this file's larger pool (phase 2's test allocator)."""
+    return Blocks(shuffle=True, seed=seed, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
 
 
 def greedy_run(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
@@ -70,7 +57,7 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
     engine does with async scheduling). Returns the token sequences and every
     step's logits (on the CPU).
     """
-    blocks = Blocks(seed)
+    blocks = make_blocks(seed)
     tables = [blocks.table(len(p) + num_steps + 1) for p in prompts]
     seqs = [list(p) for p in prompts]
     *first, last = prompts
@@ -169,7 +156,7 @@ def test_float32_greedy_tokens_match_the_cpu_reference(tiny_model_dir: Path,
 def _prefilled(runner: ModelRunner, num_seqs: int, seed: int = 2
                ) -> tuple[list[list[int]], list[list[int]]]:
     prompts = random_prompts([3 + 5 * i for i in range(num_seqs)], runner.vocab_size, seed)
-    blocks = Blocks(seed)
+    blocks = make_blocks(seed)
     tables = [blocks.table(len(p) + 8) for p in prompts]
     logits = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables)])
     for p, tok in zip(prompts, logits.argmax(-1).tolist()):
