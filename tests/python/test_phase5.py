@@ -551,3 +551,24 @@ def test_random_streams_match_the_character_level_reference() -> None:
         expected, reason = reference_cut(text, stops)
         assert emitted == checker.output_text == expected, (stops, pieces)
         assert checker.stop_reason == reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampling_tail_on_a_full_vocabulary() -> None:
+    """One token at +20 among 151,936: p = 0.99969, so ~6 of 20,000 draws miss it.
+
+    A noise value that degenerates (an exponential of exactly 0, or a Gumbel of
+    +inf) hands its token the win whatever its probability: over 151,936 tokens
+    a row, even a 1e-7 chance per value would cost thousands of misses.
+    """
+    vocab, n, chunk = 151936, 20_000, 2_000
+    logits = torch.zeros(vocab, device="cuda")
+    logits[777] = 20.0
+    meta = build([row(SamplingParams(temperature=1.0))] * chunk, vocab, device="cuda")
+    misses = sum(
+        int((Sampler()(logits.expand(chunk, -1), meta).sampled_token_ids != 777).sum())
+        for _ in range(n // chunk)
+    )
+    expected = n * (1 - logits.double().softmax(0)[777].item())
+    assert misses <= expected + 6 * expected**0.5 + 1, misses
