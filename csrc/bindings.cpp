@@ -11,6 +11,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "binding_utils.h"
 #include "params.h"
 
 namespace py = pybind11;
@@ -21,18 +22,6 @@ void register_layer_ops(py::module_& m);  // layer_bindings.cpp: the fused layer
 }  // namespace mini_vllm
 
 namespace {
-
-template <typename P>
-P* as_ptr(std::uintptr_t p) {
-  return reinterpret_cast<P*>(p);
-}
-
-cudaStream_t as_stream(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-DType as_dtype(int code) {
-  if (code < 0 || code > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(code));
-  return static_cast<DType>(code);
-}
 
 void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_cache,
             std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t context_lens,

@@ -1,31 +1,15 @@
 // Python bindings of the fused layer kernels, registered into mini_vllm._C by
 // bindings.cpp. Same raw-pointer convention as the attention kernels.
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 
 #include <pybind11/pybind11.h>
 
+#include "binding_utils.h"
 #include "layer_params.h"
 
 namespace py = pybind11;
 
 namespace mini_vllm {
-namespace {
-
-template <typename P>
-P* ptr(std::uintptr_t p) {
-  return reinterpret_cast<P*>(p);
-}
-
-DType dtype_of(int code) {
-  if (code < 0 || code > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(code));
-  return static_cast<DType>(code);
-}
-
-cudaStream_t stream_of(std::uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-}  // namespace
 
 void register_layer_ops(py::module_& m) {
   m.def(
@@ -34,17 +18,17 @@ void register_layer_ops(py::module_& m) {
          int num_tokens, int hidden, int64_t x_stride, int64_t out_stride, float eps, int dtype,
          std::uintptr_t stream) {
         RmsNormParams p;
-        p.out = ptr<void>(out);
-        p.residual = ptr<void>(residual);
-        p.x = ptr<const void>(x);
-        p.weight = ptr<const void>(weight);
+        p.out = as_ptr<void>(out);
+        p.residual = as_ptr<void>(residual);
+        p.x = as_ptr<const void>(x);
+        p.weight = as_ptr<const void>(weight);
         p.num_tokens = num_tokens;
         p.hidden = hidden;
         p.x_stride = x_stride;
         p.out_stride = out_stride;
         p.eps = eps;
-        p.dtype = dtype_of(dtype);
-        rms_norm(p, stream_of(stream));
+        p.dtype = as_dtype(dtype);
+        rms_norm(p, as_stream(stream));
       },
       "out = w * rms_norm(x), after residual += x when residual != 0.", py::arg("out"),
       py::arg("residual"), py::arg("x"), py::arg("weight"), py::arg("num_tokens"),
@@ -58,19 +42,19 @@ void register_layer_ops(py::module_& m) {
          int num_q_heads, int num_kv_heads, int head_dim, int64_t token_stride, float eps,
          int dtype, std::uintptr_t stream) {
         QkNormRopeParams p;
-        p.qkv = ptr<void>(qkv);
-        p.q_weight = ptr<const void>(q_weight);
-        p.k_weight = ptr<const void>(k_weight);
-        p.cos_sin_cache = ptr<const float>(cos_sin_cache);
-        p.positions = ptr<const int64_t>(positions);
+        p.qkv = as_ptr<void>(qkv);
+        p.q_weight = as_ptr<const void>(q_weight);
+        p.k_weight = as_ptr<const void>(k_weight);
+        p.cos_sin_cache = as_ptr<const float>(cos_sin_cache);
+        p.positions = as_ptr<const int64_t>(positions);
         p.num_tokens = num_tokens;
         p.num_q_heads = num_q_heads;
         p.num_kv_heads = num_kv_heads;
         p.head_dim = head_dim;
         p.token_stride = token_stride;
         p.eps = eps;
-        p.dtype = dtype_of(dtype);
-        qk_norm_rope(p, stream_of(stream));
+        p.dtype = as_dtype(dtype);
+        qk_norm_rope(p, as_stream(stream));
       },
       "Per-head RMSNorm + neox RoPE of q and k inside a fused qkv output, in place.",
       py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin_cache"),
@@ -83,12 +67,12 @@ void register_layer_ops(py::module_& m) {
       [](std::uintptr_t out, std::uintptr_t x, int num_tokens, int d, int dtype,
          std::uintptr_t stream) {
         SiluAndMulParams p;
-        p.out = ptr<void>(out);
-        p.x = ptr<const void>(x);
+        p.out = as_ptr<void>(out);
+        p.x = as_ptr<const void>(x);
         p.num_tokens = num_tokens;
         p.d = d;
-        p.dtype = dtype_of(dtype);
-        silu_and_mul(p, stream_of(stream));
+        p.dtype = as_dtype(dtype);
+        silu_and_mul(p, as_stream(stream));
       },
       "out = silu(x[:, :d]) * x[:, d:].", py::arg("out"), py::arg("x"), py::arg("num_tokens"),
       py::arg("d"), py::arg("dtype"), py::arg("stream"));
