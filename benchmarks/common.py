@@ -307,7 +307,7 @@ def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
 # --8<-- [end:floor]
 
 
-def _median_time(fn: Callable[[], None], device: Any, iters: int, warmup: int) -> list[float]:
+def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int) -> list[float]:
     """Seconds per call of `fn`, each call timed on its own (CUDA events on a GPU)."""
     import torch
 
@@ -357,7 +357,7 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int | None = None,
     src.fill_(1)
     dst = torch.empty_like(src)
     copy = functools.partial(dst.copy_, src)
-    times = _median_time(copy, dev, iters, warmup=2)
+    times = time_calls(copy, dev, iters, warmup=2)
     median = statistics.median(times)
     del src, dst, copy
     if dev.type == "cuda":
@@ -387,7 +387,7 @@ def measure_matmul_flops(device: str = "cuda", dtype: str = "bfloat16", n: int |
     a = torch.randn(n, n, device=dev, generator=gen).to(resolve_dtype(dtype))
     b = torch.randn(n, n, device=dev, generator=gen).to(resolve_dtype(dtype))
     matmul = functools.partial(torch.mm, a, b)
-    times = _median_time(matmul, dev, iters, warmup=2)
+    times = time_calls(matmul, dev, iters, warmup=2)
     median = statistics.median(times)
     del a, b, matmul
     if dev.type == "cuda":

@@ -45,6 +45,7 @@ from benchmarks.common import (
     format_table,
     measure_copy_bandwidth,
     prepare_model_dir,
+    time_calls,
     write_json,
 )
 from mini_vllm.config import EngineArgs
@@ -180,17 +181,8 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
 
 
 def _event_ms(fn: Any, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median GPU milliseconds of one call of `fn` (CUDA events, one warm-up call)."""
+    return 1e3 * statistics.median(time_calls(fn, torch.device("cuda"), iters, warmup=1))
 
 
 def rms_norm_variants(batch: int, hidden: int, heads: int, head_dim: int) -> dict[str, float]:
