@@ -1,5 +1,5 @@
-// Python bindings of the fused layer kernels, registered into mini_vllm._C by
-// bindings.cpp. Same raw-pointer convention as the attention kernels.
+// Python bindings of the fused layer and sampling kernels, registered into
+// mini_vllm._C by bindings.cpp. Same raw-pointer convention as the attention kernels.
 #include <cstdint>
 
 #include <pybind11/pybind11.h>
@@ -76,6 +76,30 @@ void register_layer_ops(py::module_& m) {
       },
       "out = silu(x[:, :d]) * x[:, d:].", py::arg("out"), py::arg("x"), py::arg("num_tokens"),
       py::arg("d"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "sample_tokens",
+      [](std::uintptr_t out, std::uintptr_t partials, std::uintptr_t logits,
+         std::uintptr_t inv_temperature, std::uintptr_t seeds, int num_rows, int vocab,
+         int num_splits, int64_t row_stride, int dtype, std::uintptr_t stream) {
+        SampleParams p;
+        p.out = as_ptr<int64_t>(out);
+        p.partials = as_ptr<uint64_t>(partials);
+        p.logits = as_ptr<const void>(logits);
+        p.inv_temperature = as_ptr<const float>(inv_temperature);
+        p.seeds = as_ptr<const int64_t>(seeds);
+        p.num_rows = num_rows;
+        p.vocab = vocab;
+        p.num_splits = num_splits;
+        p.row_stride = row_stride;
+        p.dtype = as_dtype(dtype);
+        sample_tokens(p, as_stream(stream));
+      },
+      "out[r] = a sample of softmax(logits[r] * inv_temperature[r]) by Gumbel-max "
+      "(argmax when inv_temperature[r] == 0), noise keyed by seeds[r].",
+      py::arg("out"), py::arg("partials"), py::arg("logits"), py::arg("inv_temperature"),
+      py::arg("seeds"), py::arg("num_rows"), py::arg("vocab"), py::arg("num_splits"),
+      py::arg("row_stride"), py::arg("dtype"), py::arg("stream"));
 }
 
 }  // namespace mini_vllm

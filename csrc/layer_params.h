@@ -62,8 +62,29 @@ struct SiluAndMulParams {
   DType dtype = DType::kBFloat16;
 };
 
+// One token per row of softmax(logits[r] * inv_temperature[r]) by Gumbel-max
+// (csrc/sampling_kernels.cu); inv_temperature[r] == 0 makes row r greedy.
+//   logits           [num_rows, vocab] row stride row_stride; -inf = excluded
+//   inv_temperature  [num_rows] float32
+//   seeds            [num_rows, 2] int64: the row's noise key and counter
+//   partials         [num_rows, num_splits] uint64 workspace
+//   out              [num_rows] int64
+struct SampleParams {
+  int64_t* out = nullptr;
+  uint64_t* partials = nullptr;
+  const void* logits = nullptr;
+  const float* inv_temperature = nullptr;
+  const int64_t* seeds = nullptr;
+  int num_rows = 0;
+  int vocab = 0;
+  int num_splits = 1;
+  int64_t row_stride = 0;
+  DType dtype = DType::kBFloat16;
+};
+
 void rms_norm(const RmsNormParams& p, cudaStream_t stream);
 void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream);
 void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+void sample_tokens(const SampleParams& p, cudaStream_t stream);
 
 }  // namespace mini_vllm

@@ -12,6 +12,11 @@ step; `Sampler` then runs the whole batch through one fixed pipeline:
       -> min_p, top_k, top_p  filtered tokens at -inf (random rows only)
       -> sample              greedy rows: argmax; random rows: argmax(probs / Exp(1) noise)
 
+On a GPU with the kernels built, and no row filtering with top-k, top-p or
+min-p, the temperature and the sampling run as one kernel instead
+(`ops.sample_tokens`: Gumbel-max, the same distribution in log space), on
+the logits in the model's dtype when no other stage needs them in float32.
+
 A stage no row needs is skipped entirely. Everything is vectorised over rows
 except drawing the noise of seeded rows, which comes from each request's own
 `torch.Generator` so that its tokens do not depend on the rest of the batch.
@@ -29,6 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from mini_vllm import ops
+from mini_vllm.ops.sampling import splitmix64
 from mini_vllm.sampling_params import GREEDY_EPSILON, OPENAI_DEFAULTS, SamplingParams
 
 
@@ -42,12 +49,16 @@ class SamplingRequest(NamedTuple):
             life), else `None` (the row uses the shared default generator).
         prompt_token_ids: the prompt (for the repetition penalty).
         output_token_ids: the tokens generated so far (penalties, min_tokens).
+        noise_key: the request's key for the fused GPU sampler's noise (see
+            `SamplingMetadata.noise_seeds`), fixed for the request's life; `None`
+            draws a fresh key for the row at every step.
     """
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    noise_key: int | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -65,6 +76,38 @@ def _to_device(
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def fused_sampler_available() -> bool:
+    """True when the CUDA kernels (with `ops.sample_tokens`) can run here."""
+    return ops.is_available()
+
+
+# --8<-- [start:noise_seeds]
+def _noise_seeds(reqs: Sequence[SamplingRequest]) -> np.ndarray:
+    """Each row's (Philox key, counter) for the fused sampler: `[N, 2]` int64.
+
+    A request's key is fixed for its life (`noise_key`, or its generator's
+    seed, mixed, when it has one)
+    and the counter is the index of the token being drawn, so the noise of
+    its t-th token is the same whatever batch it runs in, and again after a
+    preemption. A row without a key takes a fresh one for this step (from
+    torch's default generator, so `torch.manual_seed` reproduces it) with the
+    row index as its counter.
+    """
+    seeds = np.empty((len(reqs), 2), dtype=np.int64)
+    step_key = None
+    for i, r in enumerate(reqs):
+        if r.noise_key is not None:
+            seeds[i] = (r.noise_key, len(r.output_token_ids))
+        elif r.generator is not None:  # a seeded request: the key follows from its seed
+            seeds[i] = (splitmix64(r.generator.initial_seed()), len(r.output_token_ids))
+        else:
+            if step_key is None:
+                step_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
+            seeds[i] = (step_key, i)
+    return seeds
+# --8<-- [end:noise_seeds]
 
 
 # --8<-- [start:counts]
@@ -116,6 +159,12 @@ class SamplingMetadata:
             their min_tokens: their EOS (unless ignore_eos) and stop token ids.
         generators: row -> generator, for random rows with their own generator.
         max_num_logprobs: the largest `logprobs` asked for; `None` if no row asks.
+        inv_temperature / noise_seeds: set when the fused GPU sampler
+            (`ops.sample_tokens`) will draw this step's tokens: `[N]` float32
+            1 / T (0 on greedy rows) and `[N, 2]` int64 (key, counter) of each
+            row's Philox noise, the counter being the row's number of output
+            tokens so far; `None` otherwise (no kernels, or a row filters with
+            top-k, top-p or min-p).
     """
 
     vocab_size: int
@@ -135,6 +184,8 @@ class SamplingMetadata:
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None
+    inv_temperature: torch.Tensor | None = None
+    noise_seeds: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -231,6 +282,11 @@ class SamplingMetadata:
         }
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
+        if (device.type == "cuda" and not (use_top_k or use_top_p or use_min_p)
+                and fused_sampler_available()):
+            meta.inv_temperature = _to_device(
+                [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
+            meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)
         return meta
 
 
@@ -282,15 +338,25 @@ class Sampler:
             raise ValueError(
                 f"logits must be [N, {metadata.vocab_size}], got {list(logits.shape)}"
             )
+        fused = metadata.noise_seeds is not None and logits.is_cuda
+        plain = (metadata.min_tokens_index is None and metadata.max_num_logprobs is None
+                 and metadata.repetition_penalties is None
+                 and metadata.output_token_counts is None)
+        if fused and plain:  # the common case: one kernel reads the logits as they are
+            return SamplerOutput(ops.sample_tokens(
+                logits, metadata.inv_temperature, metadata.noise_seeds))
+
         logits = logits.float()
         if metadata.min_tokens_index is not None:
             minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
             logits = logits.index_put(metadata.min_tokens_index, minus_inf)
         logits = self.apply_penalties(logits, metadata)
+        if fused:
+            sampled = ops.sample_tokens(logits, metadata.inv_temperature, metadata.noise_seeds)
         if not metadata.all_greedy:
             logits = logits / metadata.temperature.unsqueeze(1)  # greedy rows: / 1
-
-        sampled = self.sample(logits, metadata)
+        if not fused:
+            sampled = self.sample(logits, metadata)
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
         return self.gather_logprobs(logits, sampled, metadata.max_num_logprobs)

@@ -10,10 +10,13 @@ Public API:
     reshape_and_cache        write new tokens' K/V into their cache slots
     prefill_attention        prompts (and prompt chunks after a cached prefix)
     gather_kv_cache          paged K/V -> contiguous rows
+    gemv                     y = x @ W.T for 1 to 8 rows of x (decode's linear layers)
+    sample_tokens            one token per row of softmax(logits / T), in one pass
 """
 
 from mini_vllm.ops._extension import BUILD_COMMAND, is_available, unavailable_reason
 from mini_vllm.ops.cache_ops import gather_kv_cache, reshape_and_cache
+from mini_vllm.ops.gemv import gemv
 from mini_vllm.ops.paged_attention import (
     DECODE_VERSIONS,
     DEFAULT_DECODE_VERSION,
@@ -21,6 +24,7 @@ from mini_vllm.ops.paged_attention import (
     paged_decode_attention,
 )
 from mini_vllm.ops.prefill import PREFILL_BACKENDS, prefill_attention, prefill_backend
+from mini_vllm.ops.sampling import sample_tokens
 
 __all__ = [
     "BUILD_COMMAND",
@@ -29,10 +33,12 @@ __all__ = [
     "PREFILL_BACKENDS",
     "decode_partition_size",
     "gather_kv_cache",
+    "gemv",
     "is_available",
     "paged_decode_attention",
     "prefill_attention",
     "prefill_backend",
     "reshape_and_cache",
+    "sample_tokens",
     "unavailable_reason",
 ]
