@@ -32,7 +32,10 @@ Tables: ``main`` (16/8 heads, block 16), ``heads32`` (32/8 heads),
 ``pipeline`` (version 6's unroll and ring depths against version 5 and SDPA
 on contiguous K/V, at the shapes of the bar), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
-order), ``tuning`` (partition sizes and unroll depths), ``prefill``.
+order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
+``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1, 2,
+4 and 8 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x
+and y, each once).
 """
 
 from __future__ import annotations
@@ -348,6 +351,75 @@ def bench_prefill(device: torch.device) -> list[dict]:
     return rows
 
 
+# (layer, K, N) of every linear layer of a decode step: in_features, out_features.
+GEMV_SHAPES = {
+    "Qwen3-0.6B": [("qkv_proj", 1024, 4096), ("o_proj", 2048, 1024),
+                   ("gate_up_proj", 1024, 6144), ("down_proj", 3072, 1024),
+                   ("lm_head", 1024, 151936)],
+    "Qwen3-8B": [("qkv_proj", 4096, 6144), ("o_proj", 4096, 4096),
+                 ("gate_up_proj", 4096, 24576), ("down_proj", 12288, 4096),
+                 ("lm_head", 4096, 151936)],
+}
+GEMV_ROWS = (1, 2, 4, 8)
+
+
+# --8<-- [start:bench_gemv]
+def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEMV_ROWS,
+               shapes: dict[str, list[tuple[str, int, int]]] | None = None,
+               check: bool = True) -> list[dict]:
+    """Our skinny GEMM (`ops.gemv`) against `F.linear` (cuBLAS) at every shape and row count.
+
+    Each call reads the weight `[N, K]` once, x `[rows, K]` and writes y
+    `[rows, N]`: those bytes over the time, against the copy bandwidth. The
+    weights rotate through enough copies to defeat the L2, as the decode
+    table's K/V do; the calls are replayed from a CUDA graph.
+    """
+    result = []
+    for model, layers in (shapes or GEMV_SHAPES).items():
+        for layer, k, n in layers:
+            weight_bytes = n * k * DTYPE.itemsize
+            rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+            weights = [torch.randn(n, k, device=device, dtype=DTYPE) * k ** -0.5
+                       for _ in range(rotations)]
+            for m in rows:
+                xs = [torch.randn(m, k, device=device, dtype=DTYPE) for _ in range(rotations)]
+                outs = [torch.empty(m, n, device=device, dtype=DTYPE) for _ in range(rotations)]
+                moved = weight_bytes + (m * k + m * n) * DTYPE.itemsize
+                row = {"model": model, "layer": layer, "k": k, "n": n, "rows": m,
+                       "bytes": moved, "rotations": rotations, "paths": {}}
+                ref = (xs[0].double() @ weights[0].double().T) if check else None
+                paths: dict[str, list[Callable[[], object]]] = {
+                    "ours": [lambda x=x, w=w, o=o: ops.gemv(x, w, out=o)
+                             for x, w, o in zip(xs, weights, outs)],
+                    "cublas": [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
+                }
+                for path, calls in paths.items():
+                    try:
+                        err = None
+                        if ref is not None:
+                            y = calls[0]()
+                            y = outs[0] if path == "ours" else y
+                            err = ((y.double() - ref).norm() / ref.norm()).item()
+                        sec = time_calls(calls, use_graph=True)
+                    except Exception as e:  # noqa: BLE001 - record the failure, keep going
+                        row["paths"][path] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                        continue
+                    bw = moved / sec
+                    row["paths"][path] = {"us": sec * 1e6, "gbps": bw / 1e9,
+                                          "frac_copy": bw / copy_bw, "rel_err": err}
+                result.append(row)
+                ours, cublas = row["paths"]["ours"], row["paths"]["cublas"]
+                print(f"  {model:10s} {layer:12s} {k:>5} x {n:>6}  rows={m}  "
+                      + "  ".join(f"{p}={r['us']:8.1f}us {100 * r['frac_copy']:5.1f}%"
+                                  if "us" in r else f"{p}=ERR"
+                                  for p, r in (("ours", ours), ("cublas", cublas))),
+                      flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    return result
+# --8<-- [end:bench_gemv]
+
+
 def bar_report(main: list[dict]) -> dict:
     """The phase's bar on the main table (16/8 heads, head_dim 128, bf16)."""
     res = {"bw_90pct_at_batch64_ctx1k": True, "ge_sdpa_contig_at_batch64_ctx1k": True,
@@ -503,6 +575,10 @@ def run(args: argparse.Namespace) -> dict:
         print("prefill: 16 q / 8 kv heads, block 16")
         result["prefill"] = bench_prefill(device)
         save()
+    if "gemv" in tables:
+        print("gemv: y = x @ W.T at 1-8 rows, ours vs cuBLAS (F.linear), bf16")
+        result["gemv"] = bench_gemv(copy_bw, device)
+        save()
     return result
 
 
@@ -586,6 +662,8 @@ def report(path: Path) -> None:
                 f"{r['paths'][n]['us']:.0f}" if "us" in r["paths"][n] else "-" for n in names)
                   + " |")
         print()
+    if d.get("gemv"):
+        report_gemv(d["gemv"])
     tuning = [r for r in d.get("tuning", []) if "partition_size" in r and r.get("unroll") == 4]
     if tuning:
         sizes = sorted({r["partition_size"] for r in tuning})
@@ -605,6 +683,50 @@ def report(path: Path) -> None:
         print("**bar**:", json.dumps(d["bar"]))
 
 
+def report_gemv(rows: list[dict]) -> None:
+    """The gemv table, and what the linear layers of one decode step cost at each row count."""
+    counts = sorted({r["rows"] for r in rows})
+    print("**gemv** (bf16; each cell: ours / cuBLAS, time per call · achieved bandwidth "
+          "as a share of the copy bandwidth)\n")
+    print("| model | layer | K × N | " + " | ".join(f"{m} row{'s' * (m > 1)}" for m in counts)
+          + " |")
+    print("|---|---|---|" + "---|" * len(counts))
+    by = {(r["model"], r["layer"], r["rows"]): r for r in rows}
+    layers = list(dict.fromkeys((r["model"], r["layer"], r["k"], r["n"]) for r in rows))
+    for model, layer, k, n in layers:
+        cells = []
+        for m in counts:
+            p = by.get((model, layer, m), {}).get("paths", {})
+            ours, cublas = p.get("ours", {}), p.get("cublas", {})
+            if "us" in ours and "us" in cublas:
+                cells.append(f"{ours['us']:.1f} / {cublas['us']:.1f} µs · "
+                             f"{100 * ours['frac_copy']:.0f} / {100 * cublas['frac_copy']:.0f} %")
+            else:
+                cells.append(f"{_cell(ours)} / {_cell(cublas)}")
+        print(f"| {model} | {layer} | {k} × {n} | " + " | ".join(cells) + " |")
+    print()
+    # A decode step runs each layer's four products once per layer and the lm_head once.
+    num_layers = {"Qwen3-0.6B": 28, "Qwen3-8B": 36}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for m in counts:
+            step = {}
+            for path in ("ours", "cublas"):
+                total = 0.0
+                for r in rows:
+                    if r["model"] != model or r["rows"] != m:
+                        continue
+                    us = r["paths"].get(path, {}).get("us")
+                    if us is None:
+                        total = float("nan")
+                        break
+                    total += us * (1 if r["layer"] == "lm_head" else num_layers[model])
+                step[path] = total
+            print(f"{model}, {m} row{'s' * (m > 1)}: the linear layers of a decode step take "
+                  f"{step['ours'] / 1e3:.3f} ms with ours, {step['cublas'] / 1e3:.3f} ms with "
+                  "cuBLAS")
+    print()
+
+
 def dry_run() -> None:
     """Every decode path once at tiny shapes against the reference (CPU or GPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -616,13 +738,24 @@ def dry_run() -> None:
             print(f"  {shape} {path}: rel err {err:.2e}")
             if err > 1e-2:
                 raise SystemExit(f"{path} disagrees with the reference")
+    if ops.is_available():
+        for k, n in ((64, 100), (1024, 1000)):
+            for m in (1, 8):
+                x = torch.randn(m, k, device=device, dtype=DTYPE)
+                w = torch.randn(n, k, device=device, dtype=DTYPE)
+                ref = x.double() @ w.double().T
+                err = ((ops.gemv(x, w).double() - ref).norm() / ref.norm()).item()
+                print(f"  gemv {m} x {k} x {n}: rel err {err:.2e}")
+                if err > 1e-2:
+                    raise SystemExit("gemv disagrees with the reference")
     print("dry run ok")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", nargs="+",
-                        default=["main", "heads32", "block_sizes", "versions", "prefill"],
+                        default=["main", "heads32", "block_sizes", "versions", "prefill",
+                                 "gemv"],
                         help="which tables to run")
     parser.add_argument("--version", type=int, default=ops.DEFAULT_DECODE_VERSION,
                         choices=ops.DECODE_VERSIONS,

@@ -19,6 +19,7 @@ using namespace mini_vllm;
 
 namespace mini_vllm {
 void register_layer_ops(py::module_& m);  // layer_bindings.cpp: the fused layer kernels
+void register_gemv_ops(py::module_& m);   // gemv_bindings.cpp: the skinny GEMM
 }  // namespace mini_vllm
 
 namespace {
@@ -80,6 +81,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6);
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
   register_layer_ops(m);
+  register_gemv_ops(m);
 
   m.def("paged_attention_decode", &decode, "Paged decode attention (see DecodeParams).",
         py::arg("version"), py::arg("out"), py::arg("q"), py::arg("k_cache"),

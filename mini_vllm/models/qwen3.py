@@ -25,6 +25,7 @@ from mini_vllm import ops
 from mini_vllm.attention import Attention, AttentionBackend, AttentionMetadata, KVCache
 from mini_vllm.config import ModelConfig
 from mini_vllm.ops import layer_ops
+from mini_vllm.ops.gemv import gemv, gemv_usable
 
 
 # --8<-- [start:use_kernels]
@@ -51,6 +52,9 @@ class Linear(nn.Module):
         output_sizes: rows of each stacked projection.
         device: where to allocate the weight.
         dtype: the weight's dtype.
+        use_kernels: multiply 1 to 8 rows (a decode step of up to 8
+            sequences) with the skinny-GEMM kernel of `mini_vllm.ops.gemv`
+            when it can run them; cuBLAS (`F.linear`) does everything else.
     """
 
     def __init__(
@@ -59,15 +63,22 @@ class Linear(nn.Module):
         output_sizes: list[int],
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        use_kernels: bool = False,
     ) -> None:
         super().__init__()
         self.output_sizes = list(output_sizes)
+        self.use_kernels = use_kernels
         self.weight = nn.Parameter(
             torch.empty(sum(output_sizes), input_size, device=device, dtype=dtype),
             requires_grad=False,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Asked on every call (the weight of a tied lm_head is swapped in after
+        # construction, and the row count changes from step to step), so the
+        # test is attribute reads only.
+        if self.use_kernels and gemv_usable(x, self.weight):
+            return gemv(x, self.weight)
         return F.linear(x, self.weight)
 # --8<-- [end:linear]
 
@@ -214,9 +225,10 @@ class Qwen3Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], device, dtype
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], device, dtype,
+            use_kernels,
         )
-        self.o_proj = Linear(self.q_size, [config.hidden_size], device, dtype)
+        self.o_proj = Linear(self.q_size, [config.hidden_size], device, dtype, use_kernels)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
         self.attn = Attention(
@@ -267,8 +279,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         self.use_kernels = use_kernels
         inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], device, dtype)
-        self.down_proj = Linear(inter, [config.hidden_size], device, dtype)
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], device, dtype,
+                                   use_kernels)
+        self.down_proj = Linear(inter, [config.hidden_size], device, dtype, use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter]: gate | up
@@ -382,7 +395,9 @@ class Qwen3ForCausalLM(nn.Module):
         device: where to allocate the weights (uninitialised until loaded).
         dtype: the weights' dtype.
         use_kernels: run norms, RoPE and SiLU through the fused CUDA kernels
-            of `mini_vllm.ops.layer_ops` (default: when they can run here).
+            of `mini_vllm.ops.layer_ops`, and the linear layers of steps of
+            1 to 8 tokens through `mini_vllm.ops.gemv` (default: when they
+            can run here).
     """
 
     # --8<-- [start:packed]
@@ -408,7 +423,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config, attn_backend, device, dtype, use_kernels)
         tied = config.tie_word_embeddings
         self.lm_head = Linear(
-            config.hidden_size, [config.vocab_size], "meta" if tied else device, dtype
+            config.hidden_size, [config.vocab_size], "meta" if tied else device, dtype,
+            use_kernels,
         )
         if tied:
             # One tensor under two names; `named_parameters()` lists it once,

@@ -1,0 +1,251 @@
+// Skinny GEMM for decode steps (phase 9): y[M, N] = x[M, K] @ W[N, K]^T, M <= 8.
+//
+// In a decode step of a few sequences every linear layer multiplies a handful
+// of activation rows (one per sequence) by a weight matrix of millions of
+// elements. Each weight element is used M times, once per row: at M = 1 that
+// is 2 FLOPs per 2-byte weight, 1 FLOP per byte, two hundred times less than
+// the H200 needs per byte to be compute-bound. The product costs the time it
+// takes to read the weight once. cuBLAS runs these shapes as GEMM tiles with
+// split-K reductions and reaches a third of the copy bandwidth on the
+// smaller matrices. This kernel is built to stream W:
+//
+//   - every byte of W is read once, with 16-byte loads that skip L1;
+//   - x (at most 8 x K elements, a few KB) is read through L1, which keeps it
+//     for all the blocks of an SM;
+//   - the multiply-adds run on the tensor cores (mma.sync m16n8k16: a 16 x 16
+//     tile of W times a 16 x 8 tile of x^T, summed in float32). On the CUDA
+//     cores a weight element costs a conversion and M float32 FMAs; at M = 8
+//     that made a first version of this kernel compute-bound, at 50-65 % of
+//     the copy bandwidth. On the tensor cores M = 8 costs what M = 1 does;
+//   - the S warps that share a tile (split-K) add their partial sums through
+//     shared memory in a fixed order; each output is rounded once, as cuBLAS
+//     rounds it.
+//
+// Work layout. A *tile* is 16 consecutive rows of W (output features), the
+// M of one mma. S warps (1 to 16) share a tile, each summing an interleaved
+// slice of K in chunks of 32 elements, kU chunks at a time; a block holds
+// max(4, S) warps, that is max(4, S) / S tiles.
+#include "common.cuh"
+#include "gemv_params.h"
+
+namespace mini_vllm {
+namespace {
+
+constexpr int kTileRows = 16;  // rows of W per tile: the M of mma.m16n8k16
+constexpr int kChunk = 32;     // elements of K per warp step: 4 lanes x 8 (two mma's k)
+constexpr int kU = 4;          // chunks per batch: 2 kU 16-byte loads of W per lane
+constexpr int kMaxSplits = 16; // warps per tile: a block of at most 512 threads
+
+// x: a few KB read by every block. A read-only load that allocates in L1, so
+// that the blocks of an SM after the first find it there (W goes around L1).
+__device__ __forceinline__ uint4 load_cached16(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+// W: read once. Around L1 like load_stream16, plus a hint that an L2 miss
+// should fetch the whole 128-byte line: a warp asks for 64 bytes of each of
+// its rows per chunk, and the rest of the line is the next chunk, which this
+// or a neighbouring warp of the tile asks for a moment later. Whole lines
+// make fewer, longer DRAM accesses; on the H200 it was worth 5-10 % on the
+// large matrices.
+__device__ __forceinline__ uint4 load_w16(const void* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+
+// --8<-- [start:mma]
+// d += a b for a 16 x 16 tile a (row-major) and a 16 x 8 tile b (column-major),
+// in float32. Registers hold pairs of 16-bit elements; lane l = 4 g + q owns
+//   a: rows g and g + 8, columns 2q, 2q + 1, 2q + 8, 2q + 9
+//   b: columns (n) g, rows (k) 2q, 2q + 1, 2q + 8, 2q + 9
+//   d: rows g and g + 8, columns 2q and 2q + 1
+// (the fragment layout of the PTX ISA for mma.m16n8k16).
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                            uint32_t a2, uint32_t a3, uint32_t b0,
+                                            uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&d)[4], uint32_t a0,
+                                                           uint32_t a1, uint32_t a2,
+                                                           uint32_t a3, uint32_t b0,
+                                                           uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                    uint32_t a2, uint32_t a3, uint32_t b0,
+                                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One chunk of 32 elements of K: lane (g, q) holds 8 consecutive elements
+// k0 .. k0 + 7 (k0 = 8 q within the chunk) of W's rows g and g + 8 and of
+// x's row g. A sum over K does not care in which order the k's enter it, so
+// the mma's k positions 2q, 2q + 1, 2q + 8, 2q + 9 take k0 .. k0 + 3 in the
+// first mma and k0 + 4 .. k0 + 7 in the second: the same mapping for W and
+// for x, which is all that matters. Each 16-byte load feeds the tensor core
+// as it is, with no shuffling of registers.
+template <typename T>
+__device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& w_lo, const uint4& w_hi,
+                                          const uint4& xv) {
+  mma_16x8x16<T>(d, w_lo.x, w_hi.x, w_lo.y, w_hi.y, xv.x, xv.y);
+  mma_16x8x16<T>(d, w_lo.z, w_hi.z, w_lo.w, w_hi.w, xv.z, xv.w);
+}
+// --8<-- [end:mma]
+
+// --8<-- [start:gemv]
+// One tile of 16 rows of W per S warps. Lane (g, q) = (lane / 4, lane % 4).
+template <typename T, int M, int S>
+__global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
+    T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k,
+    int64_t x_stride) {
+  constexpr int NW = S > 4 ? S : 4;  // warps per block
+  constexpr int G = NW / S;          // tiles per block
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4;
+  const int row0 = (blockIdx.x * G + warp / S) * kTileRows;  // the tile's first row
+  const int split = warp % S;                                // this warp's slice of K
+  const int num_vec = k / 8;                                 // 16-byte vectors per row
+  const int num_chunks = (k + kChunk - 1) / kChunk;
+
+  // Rows past n (the last tile of a ragged n) read row n - 1 again, and
+  // columns of x past M read row M - 1: every load stays in bounds and the
+  // loop needs no branch on them; those outputs are never stored.
+  const T* w_lo = w + static_cast<int64_t>(min(row0 + g, n - 1)) * k;
+  const T* w_hi = w + static_cast<int64_t>(min(row0 + g + 8, n - 1)) * k;
+  const T* xr = x + min(g, M - 1) * x_stride;
+
+  // Chunks split, split + S, ... of K, kU at a time: the batch's 3 kU loads
+  // come first in the program, then its 2 kU mma's, so that the loads are on
+  // their way together (the compiler keeps as many in flight as registers let it).
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = split; c0 < num_chunks; c0 += kU * S) {
+    uint4 a_lo[kU], a_hi[kU], b[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      // The lane's vector of chunk c0 + u S. Past the end of the row (the
+      // last chunk of a K that is not a multiple of 32, or a chunk past the
+      // end) it loads vector 0 instead, to stay in bounds, and uses zeros.
+      const int v = (c0 + u * S) * (kChunk / 8) + q;
+      const bool in_row = v < num_vec;
+      const int off = in_row ? v * 8 : 0;
+      a_lo[u] = load_w16(w_lo + off);
+      a_hi[u] = load_w16(w_hi + off);
+      b[u] = load_cached16(xr + off);
+      if (!in_row) a_lo[u] = a_hi[u] = b[u] = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) mma_chunk<T>(d, a_lo[u], a_hi[u], b[u]);
+  }
+
+  // d[0], d[1]: rows row0 + g of outputs 2q, 2q + 1; d[2], d[3]: row row0 + g + 8.
+  if constexpr (S > 1) {  // add the S warps' partial tiles, in a fixed order
+    __shared__ float4 partial[NW][32];
+    partial[warp][lane] = make_float4(d[0], d[1], d[2], d[3]);
+    __syncthreads();
+    if (split != 0) return;
+#pragma unroll
+    for (int s = 1; s < S; ++s) {
+      const float4 p = partial[warp + s][lane];
+      d[0] += p.x;
+      d[1] += p.y;
+      d[2] += p.z;
+      d[3] += p.w;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + g + (i / 2) * 8, m = 2 * q + i % 2;
+    if (m < M && row < n) y[static_cast<int64_t>(m) * n + row] = TypeTraits<T>::from_float(d[i]);
+  }
+}
+// --8<-- [end:gemv]
+
+// --8<-- [start:gemv_splits]
+// Warps per tile: split K as far as it goes while every warp still has a
+// whole batch (kU chunks) of it. More, shorter warps put more loads in
+// flight at once and leave a shorter tail when the last ones finish; past
+// one batch per warp a split only adds partial sums. Matrices of more than
+// 1024 tiles (N > 16384) fill the GPU anyway: at most 8 warps per tile there,
+// smaller blocks. On the H200 this picks, for Qwen3-0.6B, S = 8 for
+// qkv_proj, gate_up_proj and lm_head (K = 1024) and 16 for o_proj and
+// down_proj (N = 1024: 64 tiles); each was within a few % of the best S.
+int choose_splits(int n, int k) {
+  const int num_chunks = ceil_div(k, kChunk);
+  const int max_splits = ceil_div(n, kTileRows) > 1024 ? 8 : kMaxSplits;
+  int s = 1;
+  while (s < max_splits && 2 * s * kU <= num_chunks) s *= 2;
+  return s;
+}
+// --8<-- [end:gemv_splits]
+
+template <typename T, int M, int S>
+void launch_gemv(const GemvParams& p, cudaStream_t stream) {
+  constexpr int NW = S > 4 ? S : 4;
+  const int blocks = ceil_div(ceil_div(p.n, kTileRows), NW / S);
+  gemv_kernel<T, M, S><<<blocks, 32 * NW, 0, stream>>>(
+      static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.w), p.n, p.k,
+      p.x_stride);
+  MINI_VLLM_CHECK_LAUNCH("gemv");
+}
+
+template <typename T, int S>
+void launch_gemv_m(const GemvParams& p, cudaStream_t stream) {
+  switch (p.m) {
+    case 1: return launch_gemv<T, 1, S>(p, stream);
+    case 2: return launch_gemv<T, 2, S>(p, stream);
+    case 3: return launch_gemv<T, 3, S>(p, stream);
+    case 4: return launch_gemv<T, 4, S>(p, stream);
+    case 5: return launch_gemv<T, 5, S>(p, stream);
+    case 6: return launch_gemv<T, 6, S>(p, stream);
+    case 7: return launch_gemv<T, 7, S>(p, stream);
+    case 8: return launch_gemv<T, 8, S>(p, stream);
+    default: throw std::invalid_argument("gemv: rows of x must be 1 to 8");
+  }
+}
+
+template <typename T>
+void launch_gemv_t(const GemvParams& p, int splits, cudaStream_t stream) {
+  switch (splits) {
+    case 1: return launch_gemv_m<T, 1>(p, stream);
+    case 2: return launch_gemv_m<T, 2>(p, stream);
+    case 4: return launch_gemv_m<T, 4>(p, stream);
+    case 8: return launch_gemv_m<T, 8>(p, stream);
+    case 16: return launch_gemv_m<T, 16>(p, stream);
+    default: throw std::invalid_argument("gemv: splits must be 0, 1, 2, 4, 8 or 16");
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+void gemv(const GemvParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  if (p.m < 1 || p.m > kGemvMaxRows) throw std::invalid_argument("gemv: rows of x must be 1 to 8");
+  if (p.n < 0 || p.k <= 0 || p.k % 8) {
+    throw std::invalid_argument("gemv: k must be a positive multiple of 8 and n >= 0");
+  }
+  if (p.x_stride % 8 || !aligned16(p.x) || !aligned16(p.w)) {
+    throw std::invalid_argument("gemv: x and w must be 16-byte aligned (x's row stride too)");
+  }
+  const int splits = p.splits ? p.splits : choose_splits(p.n, p.k);
+  switch (p.dtype) {
+    case DType::kBFloat16: return launch_gemv_t<__nv_bfloat16>(p, splits, stream);
+    case DType::kFloat16: return launch_gemv_t<__half>(p, splits, stream);
+    default: throw std::invalid_argument("gemv: dtype must be float16 or bfloat16");
+  }
+}
+
+}  // namespace mini_vllm

@@ -1,0 +1,41 @@
+// Host-side interface of the skinny-GEMM kernel (csrc/gemv.cu).
+//
+// Like params.h: raw device pointers, sizes and a dtype code; no PyTorch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace mini_vllm {
+
+// The most activation rows one launch takes: a decode step of up to 8
+// sequences. Larger batches go to cuBLAS, which is efficient there.
+constexpr int kGemvMaxRows = 8;
+
+// y = x @ w^T for a few rows of x, as nn.Linear computes it (no bias):
+//   x  [m, k]  row stride x_stride (elements, a multiple of 8), rows dense
+//   w  [n, k]  contiguous: nn.Linear's weight, [out_features, in_features]
+//   y  [m, n]  contiguous
+// x, w and y share one dtype (float16 or bfloat16); products are summed in
+// float32 and each output is rounded once, as cuBLAS does. k is a multiple
+// of 8 and x, w are 16-byte aligned: every load is a 16-byte vector.
+struct GemvParams {
+  void* y = nullptr;
+  const void* x = nullptr;
+  const void* w = nullptr;
+  int m = 0;  // 1 .. kGemvMaxRows
+  int n = 0;
+  int k = 0;
+  int64_t x_stride = 0;
+  DType dtype = DType::kBFloat16;
+  // Warps that share one tile of 16 output rows, each summing a slice of k
+  // (1, 2, 4, 8 or 16); 0: the kernel's choice (choose_splits in gemv.cu).
+  int splits = 0;
+};
+
+void gemv(const GemvParams& p, cudaStream_t stream);
+
+}  // namespace mini_vllm

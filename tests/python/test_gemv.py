@@ -1,0 +1,286 @@
+"""Phase 9: the skinny-GEMM kernel (`y = x @ W.T`, 1 to 8 rows) against float64 and cuBLAS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mini_vllm import ops
+from mini_vllm.config import ModelConfig
+from mini_vllm.models import qwen3
+from mini_vllm.models.qwen3 import Linear, Qwen3ForCausalLM
+from mini_vllm.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_ref, gemv_usable
+
+pytestmark = [pytest.mark.phase9]
+
+needs_kernels = pytest.mark.skipif(
+    not ops.is_available(), reason=ops.unavailable_reason() or "CUDA kernels available"
+)
+DTYPES = [torch.bfloat16, torch.float16]
+ROWS = list(range(1, GEMV_MAX_ROWS + 1))
+
+# (K, N) of every linear layer of a decode step: in_features, out_features.
+QWEN3_0_6B = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936)]
+QWEN3_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]
+# Ragged N (the last group of 4 rows is partial), one output, the smallest K,
+# and K that leaves a tail after the unrolled loop.
+ODD = [(1024, 1000), (2048, 1), (8, 1000), (8, 1), (64, 1000), (64, 3), (1032, 4100),
+       (3080, 1001)]
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖y − ref‖ / ‖ref‖ in float64."""
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def _rounding(dtype: torch.dtype) -> float:
+    """The largest relative error of one rounding to `dtype` (half its spacing)."""
+    return 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+
+
+# --- on any machine -----------------------------------------------------------------------
+
+def test_reference_is_x_times_weight_transposed():
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+    torch.testing.assert_close(gemv_ref(x, w), x @ w.T)
+
+
+def test_wrapper_rejects_bad_arguments():
+    bf16 = {"dtype": torch.bfloat16}
+    x, w = torch.randn(2, 64, **bf16), torch.randn(32, 64, **bf16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        gemv(x, w)
+    with pytest.raises(ValueError, match="x: dtype float32"):
+        gemv(x.float(), w)
+    with pytest.raises(ValueError, match="weight: dtype float16"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="x: expected 2 dimensions"):
+        gemv(x.unsqueeze(0), w)
+    with pytest.raises(ValueError, match="x: 9 rows"):
+        gemv(torch.randn(9, 64, **bf16), w)
+    with pytest.raises(ValueError, match="x: 0 rows"):
+        gemv(torch.randn(0, 64, **bf16), w)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemv(torch.randn(2, 60, **bf16), torch.randn(32, 60, **bf16))
+    with pytest.raises(ValueError, match="weight: shape"):
+        gemv(x, torch.randn(32, 72, **bf16))
+    with pytest.raises(ValueError, match="weight: must be contiguous"):
+        gemv(x, torch.randn(64, 32, **bf16).T)
+    with pytest.raises(ValueError, match="x: rows must be dense"):
+        gemv(torch.randn(2, 128, **bf16)[:, ::2], w)  # elements 2 apart
+    with pytest.raises(ValueError, match="x: rows must be dense"):
+        gemv(torch.randn(2, 68, **bf16)[:, :64], w)  # rows 136 bytes apart
+    with pytest.raises(ValueError, match="out: shape"):
+        gemv(x, w, out=torch.empty(2, 31, **bf16))
+    with pytest.raises(ValueError, match="splits"):
+        gemv(x, w, splits=3)
+
+
+def test_gemv_usable_is_false_on_cpu():
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    assert not gemv_usable(x, w)
+    assert not gemv_usable(x.float(), w.float())
+
+
+def test_linear_falls_back_to_f_linear_on_cpu():
+    layer = Linear(64, [16, 16], dtype=torch.float32, use_kernels=True)
+    layer.weight.copy_(torch.randn(32, 64))
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_model_passes_use_kernels_to_every_linear(tiny_model_dir):
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    for use in (False, True):
+        model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, use_kernels=use)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert len(linears) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
+        assert all(m.use_kernels == use for m in linears)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+# --- on a GPU with the kernels built -------------------------------------------------------
+
+def _check_shape(k: int, n: int, dtype: torch.dtype, rows: list[int],
+                 x_pad: int = 0, splits: int = 0) -> None:
+    """Every row count of `rows` at one (K, N): fresh random x, the output
+    poisoned with NaN first, against float64 and against cuBLAS."""
+    dev = "cuda"
+    w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dtype)
+    w64 = w.double()
+    for m in rows:
+        # x as a view into wider rows when x_pad > 0: row stride k + x_pad.
+        x = torch.randn(m, k + x_pad, device=dev).to(dtype)[:, x_pad // 2: x_pad // 2 + k]
+        ref = x.double() @ w64.T
+        out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+        y = gemv(x, w, out=out, splits=splits)
+        assert y is out
+        assert not y.isnan().any(), f"M={m}: outputs left unwritten"
+        err = _rel_err(y, ref)
+        err_cublas = _rel_err(F.linear(x, w), ref)
+        # Each output is rounded once, like cuBLAS's; a sum that lands on the
+        # other side of a rounding boundary moves one element by one spacing.
+        slack = 2 * _rounding(dtype) / y.numel() ** 0.5
+        assert err < 1e-2, f"M={m}: relative error {err:.2e}"
+        assert err <= 1.25 * err_cublas + slack, (
+            f"M={m}: relative error {err:.3e} vs cuBLAS {err_cublas:.3e}")
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", QWEN3_0_6B, ids=[f"0.6B-{k}x{n}" for k, n in QWEN3_0_6B])
+def test_gemv_qwen3_0_6b_shapes(k, n, dtype):
+    _check_shape(k, n, dtype, ROWS)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", QWEN3_8B, ids=[f"8B-{k}x{n}" for k, n in QWEN3_8B])
+def test_gemv_qwen3_8b_shapes(k, n, dtype):
+    _check_shape(k, n, dtype, ROWS)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", ODD, ids=[f"{k}x{n}" for k, n in ODD])
+def test_gemv_odd_shapes(k, n, dtype):
+    _check_shape(k, n, dtype, ROWS)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("k, n", [(1024, 1000), (3080, 1001), (2048, 4096), (64, 7)])
+def test_gemv_every_split(k, n, splits):
+    """Each number of warps per tile of rows, whatever the heuristic would pick (with
+    more warps than chunks of K, some warps add nothing)."""
+    _check_shape(k, n, torch.bfloat16, [1, 3, 8], splits=splits)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_reads_strided_rows(dtype):
+    """x a view of wider rows (row stride > K), as a slice of a fused output is."""
+    _check_shape(2048, 1000, dtype, ROWS, x_pad=64)
+    _check_shape(1024, 4096, dtype, [1, 8], x_pad=16)
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_gemv_usable_on_cuda():
+    dev, bf16 = "cuda", torch.bfloat16
+    x, w = torch.randn(4, 64, device=dev, dtype=bf16), torch.randn(32, 64, device=dev, dtype=bf16)
+    assert gemv_usable(x, w)
+    assert gemv_usable(torch.randn(2, 128, device=dev, dtype=bf16)[:, 64:], w)  # strided rows
+    assert not gemv_usable(torch.randn(9, 64, device=dev, dtype=bf16), w)  # too many rows
+    assert not gemv_usable(x.float(), w.float())
+    assert not gemv_usable(x, w.half())
+    assert not gemv_usable(x.unsqueeze(0), w)
+    assert not gemv_usable(x, torch.randn(64, 32, device=dev, dtype=bf16).T)  # not contiguous
+    assert not gemv_usable(torch.randn(2, 68, device=dev, dtype=bf16)[:, :64], w)  # stride 68
+    assert not gemv_usable(torch.randn(2, 60, device=dev, dtype=bf16),
+                           torch.randn(8, 60, device=dev, dtype=bf16))  # K % 8
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_gemv_in_cuda_graph(rows):
+    """Captured once, replayed on new inputs: no host sync, no allocation in the launch."""
+    dev, dtype = "cuda", torch.bfloat16
+    w = torch.randn(4096, 1024, device=dev, dtype=dtype)
+    x = torch.randn(rows, 1024, device=dev, dtype=dtype)
+    out = torch.empty(rows, 4096, device=dev, dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch advises
+        gemv(x, w, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, w, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = x.double() @ w.double().T
+        assert not out.isnan().any()
+        assert _rel_err(out, ref) < 1e-2
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "tiny-untied"])
+def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypatch):
+    """A bf16 model with the kernel on and off: an 8-token prefill and greedy
+    decode steps of one token (rows 8 and 1) give the same tokens, and logits
+    equal to bf16 rounding."""
+    from mini_vllm.attention import AttentionMetadata
+    from mini_vllm.checkpoint import make_model
+    from mini_vllm.models.loader import load_weights
+
+    # head_dim 64 so the fused layer kernels run too (the model's use_kernels).
+    path = make_model(tiny_model_dir.parent / f"gemv-{preset}", preset=preset,
+                      overrides={"head_dim": 64})
+    config = ModelConfig.from_pretrained(path)
+    dev = "cuda"
+    model = Qwen3ForCausalLM(config, device=dev, dtype=torch.bfloat16, use_kernels=True)
+    load_weights(model, path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    calls: list[tuple[int, int]] = []
+
+    def spy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append((x.shape[0], weight.shape[0]))
+        return gemv(x, weight)
+
+    monkeypatch.setattr(qwen3, "gemv", spy)
+    block, prompt_len, steps = 16, 8, 6
+
+    def meta(start: int, count: int) -> AttentionMetadata:
+        # One sequence in block 1: slots 16 .. 31.
+        return AttentionMetadata(
+            slot_mapping=torch.arange(block + start, block + start + count, device=dev),
+            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([start + count], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([[1]], dtype=torch.int32, device=dev),
+            max_query_len=count, max_context_len=start + count,
+            query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+
+    def generate(use: bool) -> tuple[list[int], list[torch.Tensor]]:
+        for m in linears:
+            m.use_kernels = use
+        kv = [(torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
+                           dtype=torch.bfloat16),
+               torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
+                           dtype=torch.bfloat16)) for _ in range(config.num_hidden_layers)]
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        ids = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).to(dev)
+        tokens, logits = [], []
+        start = 0
+        with torch.no_grad():
+            for _ in range(steps + 1):
+                h = model(ids, torch.arange(start, start + len(ids), device=dev), kv,
+                          meta(start, len(ids)))
+                step_logits = model.compute_logits(h)  # every row: 8, then 1
+                logits.append(step_logits)
+                start += len(ids)
+                tokens.append(int(step_logits[-1].argmax()))
+                ids = torch.tensor([tokens[-1]], device=dev)
+        return tokens, logits
+
+    ref_tokens, ref_logits = generate(False)
+    assert not calls
+    tokens, logits = generate(True)
+    # Every linear layer of every step went through the kernel, at 8 rows and at 1.
+    assert len(calls) == (steps + 1) * len(linears)
+    assert {r for r, _ in calls} == {1, prompt_len}
+    assert (prompt_len, config.vocab_size) in calls  # the lm_head
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits):
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
