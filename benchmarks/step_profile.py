@@ -123,7 +123,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     result: dict[str, Any] = {"batch": batch, "context": context,
                               "attention": runner.attn_backend.describe()}
     for _ in range(3):  # warm-up
-        sampler(runner.execute(entries(0)), SamplingMetadata.build(
+        sampler(runner.execute(entries(0), float_logits=False), SamplingMetadata.build(
             rows, runner.device, runner.vocab_size)).sampled_token_ids.tolist()
 
     # The whole step, phase by phase, host clock (the GPU wait is the .tolist()).
@@ -133,7 +133,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     for step in range(steps):
         batch_entries = entries(step)
         t0 = time.perf_counter()
-        logits = runner.execute(batch_entries)
+        logits = runner.execute(batch_entries, float_logits=False)  # as the engine asks
         t1 = time.perf_counter()
         meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
         t2 = time.perf_counter()
@@ -152,7 +152,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
         result["graph_replay_gpu_ms"] = _event_ms(graph.replay, steps)
     result["eager_forward_ms"] = _event_ms(
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
-    logits = runner.execute(entries(0))
+    logits = runner.execute(entries(0), float_logits=False)
     meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
     result["sampler_gpu_ms"] = _event_ms(lambda: sampler(logits, meta), steps)
     try:

@@ -374,7 +374,8 @@ class ModelRunner:
     # --8<-- [start:execute]
     @torch.inference_mode()
     def execute(
-        self, entries: list[BatchEntry], prev_sampled: torch.Tensor | None = None
+        self, entries: list[BatchEntry], prev_sampled: torch.Tensor | None = None,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """Run one step: write the new tokens' K/V to the cache and return logits.
 
@@ -383,14 +384,19 @@ class ModelRunner:
             prev_sampled: `[M] int64` the previous step's sampled token ids,
                 on the device, for entries whose last token is a placeholder
                 (`BatchEntry.prev_sample_row`).
+            float_logits: return float32 logits; False returns them in the
+                model's dtype on the fast path (the fused sampler reads them
+                as they are, which saves a pass over `[N, vocab]`).
 
         Returns:
-            `[N, vocab_size] float32` logits of the last new token of each entry
-            with `sample=True`, in entry order (N may be 0). On the fast path
-            they may be a view of a CUDA graph's output: valid until the next step.
+            `[N, vocab_size]` logits (float32 unless `float_logits=False`) of the
+            last new token of each entry with `sample=True`, in entry order (N may
+            be 0). On the fast path they may be a view of a CUDA graph's output:
+            valid until the next step.
         """
         if self.use_fast_path:
-            return self.execute_fast(entries, prev_sampled)
+            logits = self.execute_fast(entries, prev_sampled)
+            return logits.float() if float_logits else logits
         batch = self.build_batch(entries)
         fixes = [(batch.attn_metadata.query_start_loc_cpu[i + 1] - 1, e.prev_sample_row)
                  for i, e in enumerate(entries) if e.prev_sample_row >= 0]
@@ -411,8 +417,8 @@ class ModelRunner:
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Forward and LM head over every row: what a decode graph records."""
-        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, meta))
+        """Forward and LM head over every row (model dtype): what a decode graph records."""
+        return self.model.lm_head(self.model(input_ids, positions, kv_caches, meta))
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner:
         sched = self.engine_config.scheduler_config
@@ -442,7 +448,7 @@ class ModelRunner:
                 graph of a large enough batch size was captured.
 
         Returns:
-            `[N, vocab_size] float32` logits, as `execute`. After a graph
+            `[N, vocab_size]` logits in the model's dtype. After a graph
             replay they are a view of the graph's output buffer: valid until
             the next step.
         """
@@ -584,7 +590,7 @@ class ModelRunner:
             prefill_context_lens_cpu=context_lens[num_decodes:].tolist(),
         )
         hidden = self.model(views[0], views[1], self.kv_caches, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[views[3]])  # [N, vocab]
+        return self.model.lm_head(hidden[views[3]])  # [N, vocab], model dtype
     # --8<-- [end:run_eager]
 
 

@@ -32,9 +32,10 @@ import torch
 from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.ops.sampling import splitmix64
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, make_generator
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
 from mini_vllm.stop_checker import StopChecker
@@ -71,6 +72,7 @@ class _Completion:
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     generator: torch.Generator | None
+    noise_key: int  # the fused GPU sampler's key for this completion (sampler.py)
     # What is new since the last output of this completion.
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -97,6 +99,7 @@ class _Group:
     prompt_token_ids: list[int]
     completions: list[_Completion]
     arrival_time: float
+    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until it finishes
     first_token_time: float | None = None
     error: str | None = None
 
@@ -148,7 +151,10 @@ class LLMEngine:
         self.async_scheduling = engine_config.async_scheduling
         self._in_flight: _Step | None = None  # launched, not read back (async scheduling)
         self.stats = {"num_requests_finished": 0, "prompt_tokens_total": 0,
-                      "generation_tokens_total": 0, "num_requests_failed": 0}
+                      "generation_tokens_total": 0, "num_requests_failed": 0,
+                      # Seconds the host sat waiting for sampled tokens: near 0
+                      # over a run means the host, not the GPU, set the pace.
+                      "gpu_wait_s": 0.0, "num_steps": 0}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -230,7 +236,8 @@ class LLMEngine:
         if req.request_id in self._groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         n = req.params.n
-        group = _Group(req.request_id, req.prompt, req.prompt_token_ids, [], req.arrival_time)
+        group = _Group(req.request_id, req.prompt, req.prompt_token_ids, [], req.arrival_time,
+                       final_only=req.params.output_kind == RequestOutputKind.FINAL_ONLY)
         for i in range(n):
             child_id = req.request_id if n == 1 else f"{req.request_id}#{i}"
             # Each completion of a seeded request gets its own, reproducible stream.
@@ -245,6 +252,9 @@ class LLMEngine:
                     self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
                 stop_checker=StopChecker(req.params, self.eos_token_ids),
                 generator=None if seed is None else make_generator(seed, self.model_runner.device),
+                # A seeded completion's noise follows from its seed alone.
+                noise_key=(splitmix64(seed) if seed is not None
+                           else int(torch.randint(-(2**63), 2**63 - 1, ()))),
                 logprobs=[] if req.params.logprobs is not None else None,
             ))
         added: list[str] = []
@@ -318,12 +328,12 @@ class LLMEngine:
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
             logits = self.model_runner.execute(  # [len(sampling), V]
-                entries, prev.sampled if prev is not None else None)
+                entries, prev.sampled if prev is not None else None, float_logits=False)
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 return _Step([], None, {}, None, False)
             metadata = SamplingMetadata.build(
                 [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
-                  c.request.output_token_ids) for _, c in sampling],
+                  c.request.output_token_ids, c.noise_key) for _, c in sampling],
                 device=logits.device, vocab_size=self.vocab_size,
                 eos_token_ids=self.eos_token_ids,
             )
@@ -346,8 +356,11 @@ class LLMEngine:
         """Read a launched step's tokens back (the host sync) and record them."""
         if not step.rows:
             return []
+        t0 = time.perf_counter()
         token_ids, logprobs = step.host.wait()
         now = time.monotonic()
+        self.stats["gpu_wait_s"] += time.perf_counter() - t0
+        self.stats["num_steps"] += 1
         touched: dict[str, _Group] = {}
         for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
             if c.finish_reason is not None:  # finished or aborted since it was launched
@@ -356,7 +369,8 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             self._record_token(c, token_id, index + 1, logprobs, row)
-            touched[group.request_id] = group
+            if not group.final_only or group.finished:
+                touched[group.request_id] = group
         return [self._make_output(g) for g in touched.values()]
     # --8<-- [end:process]
 

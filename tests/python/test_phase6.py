@@ -204,11 +204,11 @@ def test_step_failure_fails_its_requests_and_engine_keeps_serving(tiny_model_dir
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky(entries, prev_sampled=None):
+    def flaky(entries, prev_sampled=None, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(entries, prev_sampled)
+        return real_execute(entries, prev_sampled, **kwargs)
 
     runner.execute = flaky
     try:
