@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -82,6 +82,12 @@ class LLM:
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        # One output per request, when it finishes: no per-step deltas to build and merge.
+        final: dict[int, SamplingParams] = {}  # one copy per distinct params object
+        for p in params_list:
+            if id(p) not in final:
+                final[id(p)] = p.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+        params_list = [final[id(p)] for p in params_list]
 
         ids = []
         try:

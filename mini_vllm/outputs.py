@@ -79,9 +79,12 @@ class RequestOutput:
                 by_index[c.index] = c
                 continue
             old.text += c.text
-            old.token_ids = old.token_ids + c.token_ids
+            # In place: a request's lists are not copied again at every step.
+            old.token_ids.extend(c.token_ids)
             if c.logprobs is not None:
-                old.logprobs = (old.logprobs or []) + c.logprobs
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(c.logprobs)
             old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,20 @@ OPENAI_DEFAULTS: Mapping[str, float | int] = MappingProxyType({
     "repetition_penalty": 1.0,
 })
 # --8<-- [end:defaults]
+
+
+# --8<-- [start:output_kind]
+class RequestOutputKind(enum.IntEnum):
+    """What the engine returns for a request while it runs (vLLM's names).
+
+    DELTA: an output per step with what is new (what streaming needs).
+    FINAL_ONLY: one output, when the request finishes (what `LLM.generate`
+        asks for: no per-step output objects to build and merge).
+    """
+
+    DELTA = 1
+    FINAL_ONLY = 2
+# --8<-- [end:output_kind]
 
 
 def _number(name: str, value: Any) -> float:
@@ -92,6 +107,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string (or the stop
             token's text) in the output text.
+        output_kind: a delta per step (`DELTA`, for streaming) or one output at
+            the end (`FINAL_ONLY`).
     """
 
     n: int = 1
@@ -111,6 +128,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         # Validates every field and normalises in place (numbers to int/float,
@@ -173,6 +191,11 @@ class SamplingParams:
                 raise ValueError(
                     f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
                 )
+        try:
+            put("output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}") from None
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
@@ -254,4 +277,5 @@ class SamplingParams:
         return self.temperature is not None and self.temperature < GREEDY_EPSILON
 
 
-__all__ = ["GREEDY_EPSILON", "MAX_LOGPROBS", "OPENAI_DEFAULTS", "SamplingParams"]
+__all__ = ["GREEDY_EPSILON", "MAX_LOGPROBS", "OPENAI_DEFAULTS", "RequestOutputKind",
+           "SamplingParams"]

@@ -124,6 +124,12 @@ class StopChecker:
             reason = None if token_id in self.eos_token_ids else token_id
             return self._finish(new_text if keep_stop_text else "", "stop", reason)
 
+        if not self.stop:  # no stop string: nothing is ever held back
+            if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
+                return self._finish(new_text, "length", None)
+            self._emitted.append(new_text)
+            return StopResult(new_text)
+
         # `buf` = recently emitted context | held-back text | the new text.
         buf = self._context + self._pending + new_text
         start_unemitted = len(self._context)

@@ -199,8 +199,11 @@ class KVCacheManager:
         num_to_allocate = (
             self.num_blocks_for(num_tokens_after) - len(req_blocks) - len(new_computed_blocks)
         )
-        # Hit blocks sitting on the free list stop being free once referenced.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if new_computed_blocks:
+            # Hit blocks sitting on the free list stop being free once referenced.
+            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        else:
+            num_evictable_hits = 0  # the usual case (every decode step): no hits to count
         if num_to_allocate > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
 
@@ -211,20 +214,21 @@ class KVCacheManager:
             if self.enable_caching:
                 self.queries += request.num_tokens
                 self.hits += num_new_computed_tokens
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = list(new_computed_blocks)
-        if num_to_allocate > 0:
-            new_blocks += self.block_pool.get_new_blocks(num_to_allocate)
-        req_blocks.extend(new_blocks)
         block_ids = self.req_to_block_ids[req_id]
-        block_ids.extend(b.block_id for b in new_blocks)
+        if new_computed_blocks or num_to_allocate > 0:
+            self.block_pool.touch(new_computed_blocks)
+            new_blocks = list(new_computed_blocks)
+            if num_to_allocate > 0:
+                new_blocks += self.block_pool.get_new_blocks(num_to_allocate)
+            req_blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
 
         # --8<-- [start:cache_known_blocks]
         if self.enable_caching:
             # Blocks holding a token not read back yet are entered later (their
             # hash needs the value), at the request's next allocation.
             num_full = min(num_tokens_after, request.num_known_tokens) // self.block_size
-            if num_full > self.num_cached_blocks[req_id]:
+            if num_full > self.num_cached_blocks[req_id]:  # a block filled up: hash it
                 block_hashes = extend_block_hashes(
                     request.block_hashes, request.all_token_ids, self.block_size,
                     request.num_known_tokens,
