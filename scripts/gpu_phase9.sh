@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One GPU run for phase 9: build the kernels (unless they import already), run
+# the GPU tests of the engine's fast path, then the benchmarks.
+# Everything it writes goes to $OUT (default: build/gpu-out, ignored by git).
+#
+#   bash scripts/gpu_phase9.sh                          # all stages
+#   STAGES="build tests" bash scripts/gpu_phase9.sh
+#   BENCH="throughput latency" BACKENDS="mini-vllm transformers" bash scripts/gpu_phase9.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-build/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STAGES="${STAGES:-env build tests bench}"
+BENCH="${BENCH:-step_profile throughput latency}"
+BACKENDS="${BACKENDS:-mini-vllm transformers}"
+PY="${PYTHON:-python3}"
+
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
+bench() { [[ " $BENCH " == *" $1 "* ]]; }
+
+if stage env; then
+  { nvidia-smi -L; nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw --format=csv
+    "$PY" -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda)'
+  } 2>&1 | tee "$OUT/env.txt"
+fi
+if stage build; then
+  if "$PY" -c 'import mini_vllm._C' 2>/dev/null; then
+    echo "kernels: mini_vllm._C imports, not rebuilt"
+  else
+    start=$(date +%s)
+    CUDA_ARCHS="${CUDA_ARCHS:-90}" PYTHON="$PY" bash scripts/build_kernels.sh > "$OUT/build.log" 2>&1
+    echo "build rc=$? in $(( $(date +%s) - start )) s"; tail -2 "$OUT/build.log"
+  fi
+fi
+if stage tests; then
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider --timeout 200 -m gpu \
+    ${TESTS:-tests/python/test_fused_kernels.py tests/python/test_gemv.py \
+      tests/python/test_phase9_gpu.py tests/python/test_phase5.py} 2>&1 \
+    | tee "$OUT/tests.log" | tail -15
+fi
+if stage bench; then
+  if bench step_profile; then
+    timeout 200 "$PY" benchmarks/step_profile.py --output "$OUT/step_profile.json" 2>&1 | tail -14
+    timeout 120 "$PY" benchmarks/step_profile.py --batch 1 --context 128 --no-engine \
+      --output "$OUT/step_profile_b1.json" 2>&1 | tail -8
+  fi
+  if bench throughput; then
+    timeout "${THROUGHPUT_TIMEOUT:-420}" "$PY" benchmarks/throughput.py --backends $BACKENDS \
+      --output "$OUT/throughput.json" 2>&1 | tail -8
+  fi
+  if bench latency; then
+    timeout 240 "$PY" benchmarks/latency.py --backends $BACKENDS --output "$OUT/latency.json" \
+      2>&1 | tail -10
+  fi
+fi
