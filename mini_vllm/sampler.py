@@ -186,6 +186,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     inv_temperature: torch.Tensor | None = None
     noise_seeds: torch.Tensor | None = None
+    keyed: bool = False  # every row has its own noise key (none is drawn per step)
 
     @classmethod
     def build(
@@ -287,7 +288,31 @@ class SamplingMetadata:
             meta.inv_temperature = _to_device(
                 [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
             meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)
+            meta.keyed = all(r.noise_key is not None or r.generator is not None for r in reqs)
         return meta
+
+    # --8<-- [start:next_step]
+    def next_step(self) -> SamplingMetadata | None:
+        """This metadata for the next step of the same rows, or None: build it anew.
+
+        Rebuilding costs Python work per row every step (about 0.7 ms at 256
+        rows on an H200's host) for values that mostly do not change: a
+        request's temperature is fixed, and in the fused sampler only each
+        row's noise counter moves, by one per token. So when nothing else
+        depends on the tokens drawn (no penalties, no min_tokens mask) and
+        every row has its own noise key, the next step's metadata is this one
+        with the counters advanced on the device: one small kernel, queued
+        after the kernel that read them.
+
+        The caller guarantees the precondition: the same requests in the same
+        rows, each of which drew exactly one token with this metadata.
+        """
+        if (self.noise_seeds is None or not self.keyed or self.min_tokens_index is not None
+                or self.repetition_penalties is not None or self.output_token_counts is not None):
+            return None
+        self.noise_seeds[:, 1] += 1
+        return self
+    # --8<-- [end:next_step]
 
 
 @dataclass

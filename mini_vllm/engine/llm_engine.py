@@ -150,6 +150,8 @@ class LLMEngine:
         self._children: dict[str, tuple[_Group, _Completion]] = {}
         self.async_scheduling = engine_config.async_scheduling
         self._in_flight: _Step | None = None  # launched, not read back (async scheduling)
+        # The rows and sampling metadata of the last launched step (see _sampling_metadata).
+        self._last_sampling: tuple[tuple, SamplingMetadata] | None = None
         self.stats = {"num_requests_finished": 0, "prompt_tokens_total": 0,
                       "generation_tokens_total": 0, "num_requests_failed": 0,
                       # Seconds the host sat waiting for sampled tokens: near 0
@@ -299,6 +301,8 @@ class LLMEngine:
             prev = None
         sched = self.scheduler.schedule()
         cur = self._launch(sched, prev) if sched.scheduled else None
+        if cur is None:
+            self._last_sampling = None  # no token drawn: the next rows start afresh
         if isinstance(cur, list):  # the step failed
             outputs += cur
             cur = None
@@ -330,16 +334,13 @@ class LLMEngine:
             logits = self.model_runner.execute(  # [len(sampling), V]
                 entries, prev.sampled if prev is not None else None, float_logits=False)
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
+                self._last_sampling = None
                 return _Step([], None, {}, None, False)
-            metadata = SamplingMetadata.build(
-                [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
-                  c.request.output_token_ids, c.noise_key) for _, c in sampling],
-                device=logits.device, vocab_size=self.vocab_size,
-                eos_token_ids=self.eos_token_ids,
-            )
+            metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except Exception as e:  # fail these requests, keep the engine alive
             logger.exception("engine step failed")
+            self._last_sampling = None
             return self._fail([s.request.request_id for s in sched.scheduled], repr(e))
         rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
         return _Step(
@@ -350,6 +351,24 @@ class LLMEngine:
             needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
         )
     # --8<-- [end:launch]
+
+    # --8<-- [start:sampling_metadata]
+    def _sampling_metadata(self, sampling: list[tuple[_Group, _Completion]],
+                           device: torch.device) -> SamplingMetadata:
+        """The step's sampling metadata: last step's, advanced, when the rows are the same."""
+        rows = tuple((c.request.request_id, c.noise_key) for _, c in sampling)
+        last = self._last_sampling
+        # Same rows as the step launched just before, each of which drew one token.
+        metadata = last[1].next_step() if last is not None and last[0] == rows else None
+        if metadata is None:
+            metadata = SamplingMetadata.build(
+                [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
+                  c.request.output_token_ids, c.noise_key) for _, c in sampling],
+                device=device, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+            )
+        self._last_sampling = (rows, metadata)
+        return metadata
+    # --8<-- [end:sampling_metadata]
 
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:

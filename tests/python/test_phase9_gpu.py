@@ -334,3 +334,49 @@ def test_kv_cache_is_sized_from_free_memory(tiny_model_dir: Path,
     assert runner.kv_cache.nbytes == kv_bytes
     assert f"KV cache: {runner.num_blocks} blocks of 16 tokens" in caplog.text
     assert "max concurrency" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
+def test_sampling_metadata_next_step_equals_a_fresh_build() -> None:
+    params = SamplingParams(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0)
+    outputs = [[3, 4], [], [5, 6, 7]]
+
+    def build():
+        return SamplingMetadata.build([(params, None, [1], out, 100 + i)
+                                       for i, out in enumerate(outputs)], "cuda", 1000)
+
+    meta = build()
+    assert meta.keyed and meta.noise_seeds is not None
+    for out in outputs:
+        out.append(9)  # each row drew one token
+    advanced = meta.next_step()
+    assert advanced is not None
+    assert torch.equal(advanced.noise_seeds, build().noise_seeds)
+    penalised = SamplingMetadata.build([(params.replace(presence_penalty=0.5), None, [1], [2], 1)],
+                                       "cuda", 1000)
+    assert penalised.next_step() is None  # penalties depend on the tokens: rebuild
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
+def test_reused_sampling_metadata_draws_the_same_tokens(tiny_model_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine reuses last step's metadata for the same rows: tokens as if rebuilt."""
+    from mini_vllm.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="bfloat16", max_model_len=256,
+              enable_prefix_caching=False)  # the same prefill kernels in both runs
+    prompts = random_prompts([5, 17, 9, 30], llm.engine.vocab_size, seed=4)
+    params = [SamplingParams(temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, max_tokens=40,
+                             ignore_eos=True, seed=seed) for seed in (1, None, 2, None)]
+
+    def run() -> list[list[int]]:
+        torch.manual_seed(0)  # the unseeded requests' noise keys
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    reused = run()
+    monkeypatch.setattr(SamplingMetadata, "next_step", lambda self: None)
+    assert run() == reused
+    assert len({tuple(t) for t in reused}) == 4
