@@ -56,7 +56,7 @@ from mini_vllm.sampling_params import SamplingParams
 _KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("decode attention", ("paged_attention", "decode")),
     ("KV write", ("reshape_and_cache", "cache_kernel")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("copies (e.g. logits to float32)", ("copy",)),
     ("norms / rope / activations", ("rms_norm", "qk_norm_rope", "silu", "elementwise",
                                     "reduce", "vectorized", "cat", "index", "pow", "mean",
