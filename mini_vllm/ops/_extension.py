@@ -54,3 +54,9 @@ def extension() -> ModuleType:
 def dtype_code(dtype: torch.dtype) -> int:
     """The module's element-type code (`DType` in csrc/params.h)."""
     return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

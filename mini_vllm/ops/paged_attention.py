@@ -52,7 +52,8 @@ def heads_per_cta(num_q_heads: int, num_kv_heads: int, version: int = DEFAULT_DE
 # --8<-- [start:partition]
 def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
                           max_context_len: int, num_sms: int,
-                          group_per_cta: int | None = None) -> int:
+                          group_per_cta: int | None = None,
+                          typical_context_len: int | None = None) -> int:
     """Tokens per split for split-K decode (a power of two).
 
     Start from one split for the longest context and halve the partition while
@@ -68,12 +69,21 @@ def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
         max_context_len: the longest context (or a bound of it).
         num_sms: multiprocessors of the GPU.
         group_per_cta: query heads per CTA; None: `heads_per_cta(...)`.
+        typical_context_len: when `max_context_len` is only a bound, far above
+            the contexts the kernel will see (a CUDA graph is captured for
+            `max_model_len`), and the batch is too small to fill the GPU
+            without splits: size the partitions for contexts of this length
+            instead. The caller then launches `ceil(max_context_len / size)`
+            splits, more than `MAX_SPLITS_PER_SEQ`; the CTAs past a sequence's
+            context return at once.
 
     Returns:
         The partition size in tokens.
     """
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads)
     ctas_per_split = num_seqs * (num_q_heads // group_per_cta)
+    if typical_context_len is not None and ctas_per_split < _TARGET_CTAS_PER_SM * num_sms:
+        max_context_len = min(max_context_len, typical_context_len)
     longest = max(max_context_len, 1)
     size = min(MAX_PARTITION_SIZE, 1 << (longest - 1).bit_length())
     target = _TARGET_CTAS_PER_SM * num_sms
@@ -122,7 +132,7 @@ def paged_decode_attention(
         version: kernel version 1-6 (see chapter 8); `DEFAULT_DECODE_VERSION`
             is the fastest.
         partition_size: tokens per split (power of two, >= 16) for versions
-            3-5; None picks one from the batch shape.
+            3-5; None picks one from the batch shape (`decode_partition_size`).
         unroll: tokens per lane per step in versions 4-6 (0: default;
             version 4 also builds 2 and 8, version 5 both 2 and 4, version 6
             1, 2 and 4, for bfloat16 / head_dim 128 only: a tuning knob).

@@ -16,13 +16,11 @@ same Philox words: the tests compare the kernel's choice with it.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from mini_vllm.ops._checks import check_same_device, check_tensor
-from mini_vllm.ops._extension import dtype_code, extension
+from mini_vllm.ops._extension import dtype_code, extension, num_sms
 
 SAMPLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _COUNTER_TAG = 0x6D696E69  # the Philox counter's last word ("mini"), as in the kernel
@@ -42,14 +40,9 @@ def splitmix64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_splits(num_rows: int, vocab: int, num_sms: int) -> int:
+def num_splits(num_rows: int, vocab: int, sm_count: int) -> int:
     """Blocks per row: about two full waves over the GPU, at least one group of 4 per thread."""
-    target = 2 * _BLOCKS_PER_SM * num_sms
+    target = 2 * _BLOCKS_PER_SM * sm_count
     max_splits = min(1024, max(1, -(-vocab // (4 * _THREADS))))
     return max(1, min(-(-target // num_rows), max_splits))
 
@@ -88,7 +81,7 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor,
     out = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
         return out
-    splits = num_splits(n, vocab, _num_sms(device))
+    splits = num_splits(n, vocab, num_sms(device))
     partials = torch.empty(n * splits, dtype=torch.int64, device=device)  # uint64 in the kernel
     extension().sample_tokens(
         out.data_ptr(), partials.data_ptr(), logits.data_ptr(), inv_temperature.data_ptr(),

@@ -380,3 +380,33 @@ def test_reused_sampling_metadata_draws_the_same_tokens(tiny_model_dir: Path,
     monkeypatch.setattr(SamplingMetadata, "next_step", lambda self: None)
     assert run() == reused
     assert len({tuple(t) for t in reused}) == 4
+
+
+def test_graph_partitions_are_sized_for_typical_contexts() -> None:
+    """A graph bound of 8,256 tokens must not make a batch of 1 walk 512-token partitions."""
+    from mini_vllm.cuda_graphs import GRAPH_TYPICAL_CONTEXT_LEN
+    from mini_vllm.ops.paged_attention import MAX_SPLITS_PER_SEQ, decode_partition_size
+
+    small = decode_partition_size(1, 16, 8, 8256, 132, typical_context_len=2048)
+    assert decode_partition_size(1, 16, 8, 8256, 132) == 512  # sized for the bound
+    assert small == decode_partition_size(1, 16, 8, 2048, 132) == 64
+    assert -(-8256 // small) > MAX_SPLITS_PER_SEQ  # the grid still covers the bound
+    # A batch that fills the GPU without splits keeps one partition per sequence.
+    assert decode_partition_size(256, 16, 8, 4096, 132, typical_context_len=2048) == 4096
+    assert GRAPH_TYPICAL_CONTEXT_LEN == 2048
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
+def test_graph_decode_past_the_typical_context_equals_eager(tiny_model_dir: Path) -> None:
+    """Batch 1 at 3,000 tokens: more than 32 splits of 64 tokens in the graph."""
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16", block_size=16,
+                                       num_gpu_blocks_override=260, max_model_len=4096))
+    prompt = random_prompts([3000], runner.vocab_size, seed=7)[0]
+    table = list(range(1, 190))  # 189 blocks of 16: 3,024 tokens
+    token = int(runner.execute([BatchEntry(prompt, 0, table)]).argmax(-1))
+    entry = [BatchEntry([token], len(prompt), table)]
+    eager = runner.execute_fast(entry, use_graph=False).float()
+    graph = runner.execute_fast(entry, use_graph=True).float()
+    assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+    assert graph.argmax(-1).item() == eager.argmax(-1).item()
