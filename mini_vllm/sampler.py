@@ -49,9 +49,10 @@ class SamplingRequest(NamedTuple):
             life), else `None` (the row uses the shared default generator).
         prompt_token_ids: the prompt (for the repetition penalty).
         output_token_ids: the tokens generated so far (penalties, min_tokens).
-        noise_key: the request's key for the fused GPU sampler's noise (see
-            `SamplingMetadata.noise_seeds`), fixed for the request's life; `None`
-            draws a fresh key for the row at every step.
+        noise_key: the key of an unseeded request's noise in the fused GPU
+            sampler (see `SamplingMetadata.noise_seeds`), drawn once for the
+            request's life; a seeded request's key comes from its generator's
+            seed. `None` on an unseeded row draws a fresh key at every step.
     """
 
     params: SamplingParams
@@ -78,30 +79,24 @@ def _to_device(
     return tensor.to(device)
 
 
-def fused_sampler_available() -> bool:
-    """True when the CUDA kernels (with `ops.sample_tokens`) can run here."""
-    return ops.is_available()
-
-
 # --8<-- [start:noise_seeds]
 def _noise_seeds(reqs: Sequence[SamplingRequest]) -> np.ndarray:
     """Each row's (Philox key, counter) for the fused sampler: `[N, 2]` int64.
 
-    A request's key is fixed for its life (`noise_key`, or its generator's
-    seed, mixed, when it has one)
-    and the counter is the index of the token being drawn, so the noise of
-    its t-th token is the same whatever batch it runs in, and again after a
-    preemption. A row without a key takes a fresh one for this step (from
+    A request's key is fixed for its life (its generator's seed, mixed, when
+    it has one; else `noise_key`) and the counter is the index of the token
+    being drawn, so the noise of its t-th token is the same whatever batch it
+    runs in, and again after a preemption. A row without a key takes a fresh one for this step (from
     torch's default generator, so `torch.manual_seed` reproduces it) with the
     row index as its counter.
     """
     seeds = np.empty((len(reqs), 2), dtype=np.int64)
     step_key = None
     for i, r in enumerate(reqs):
-        if r.noise_key is not None:
-            seeds[i] = (r.noise_key, len(r.output_token_ids))
-        elif r.generator is not None:  # a seeded request: the key follows from its seed
+        if r.generator is not None:  # a seeded request: the key follows from its seed
             seeds[i] = (splitmix64(r.generator.initial_seed()), len(r.output_token_ids))
+        elif r.noise_key is not None:
+            seeds[i] = (r.noise_key, len(r.output_token_ids))
         else:
             if step_key is None:
                 step_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
@@ -284,7 +279,7 @@ class SamplingMetadata:
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
         if (device.type == "cuda" and not (use_top_k or use_top_p or use_min_p)
-                and fused_sampler_available()):
+                and ops.is_available()):
             meta.inv_temperature = _to_device(
                 [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
             meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)
@@ -376,8 +371,10 @@ class Sampler:
             minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
             logits = logits.index_put(metadata.min_tokens_index, minus_inf)
         logits = self.apply_penalties(logits, metadata)
-        if fused:
+        if fused:  # the kernel applies the temperature itself
             sampled = ops.sample_tokens(logits, metadata.inv_temperature, metadata.noise_seeds)
+            if metadata.max_num_logprobs is None:
+                return SamplerOutput(sampled_token_ids=sampled)
         if not metadata.all_greedy:
             logits = logits / metadata.temperature.unsqueeze(1)  # greedy rows: / 1
         if not fused:

@@ -32,7 +32,6 @@ import torch
 from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, ModelRunner
-from mini_vllm.ops.sampling import splitmix64
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -72,7 +71,7 @@ class _Completion:
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     generator: torch.Generator | None
-    noise_key: int  # the fused GPU sampler's key for this completion (sampler.py)
+    noise_key: int | None  # an unseeded completion's key for the fused GPU sampler's noise
     # What is new since the last output of this completion.
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -150,8 +149,9 @@ class LLMEngine:
         self._children: dict[str, tuple[_Group, _Completion]] = {}
         self.async_scheduling = engine_config.async_scheduling
         self._in_flight: _Step | None = None  # launched, not read back (async scheduling)
-        # The rows and sampling metadata of the last launched step (see _sampling_metadata).
-        self._last_sampling: tuple[tuple, SamplingMetadata] | None = None
+        # The completions and sampling metadata of the last launched step's rows
+        # (see _sampling_metadata).
+        self._last_sampling: tuple[list[_Completion], SamplingMetadata] | None = None
         self.stats = {"num_requests_finished": 0, "prompt_tokens_total": 0,
                       "generation_tokens_total": 0, "num_requests_failed": 0,
                       # Seconds the host sat waiting for sampled tokens: near 0
@@ -254,8 +254,8 @@ class LLMEngine:
                     self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
                 stop_checker=StopChecker(req.params, self.eos_token_ids),
                 generator=None if seed is None else make_generator(seed, self.model_runner.device),
-                # A seeded completion's noise follows from its seed alone.
-                noise_key=(splitmix64(seed) if seed is not None
+                # A seeded completion's noise key comes from its generator's seed.
+                noise_key=(None if seed is not None
                            else int(torch.randint(-(2**63), 2**63 - 1, ()))),
                 logprobs=[] if req.params.logprobs is not None else None,
             ))
@@ -356,10 +356,13 @@ class LLMEngine:
     def _sampling_metadata(self, sampling: list[tuple[_Group, _Completion]],
                            device: torch.device) -> SamplingMetadata:
         """The step's sampling metadata: last step's, advanced, when the rows are the same."""
-        rows = tuple((c.request.request_id, c.noise_key) for _, c in sampling)
+        rows = [c for _, c in sampling]
         last = self._last_sampling
-        # Same rows as the step launched just before, each of which drew one token.
-        metadata = last[1].next_step() if last is not None and last[0] == rows else None
+        # The same completions (by identity: an id can come back as a new request)
+        # in the same rows as the step launched just before, each of which drew one token.
+        same = (last is not None and len(last[0]) == len(rows)
+                and all(a is b for a, b in zip(last[0], rows)))
+        metadata = last[1].next_step() if same else None
         if metadata is None:
             metadata = SamplingMetadata.build(
                 [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,

@@ -19,7 +19,7 @@ from mini_vllm.ops._checks import (
     check_same_device,
     check_tensor,
 )
-from mini_vllm.ops._extension import dtype_code, extension
+from mini_vllm.ops._extension import dtype_code, extension, num_sms
 
 DECODE_VERSIONS = (1, 2, 3, 4, 5, 6)
 DEFAULT_DECODE_VERSION = 5
@@ -202,9 +202,9 @@ def paged_decode_attention(
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
     if version >= 3:
         if partition_size is None:
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             partition_size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads,
-                                                   max_context_len, num_sms, group_per_cta)
+                                                   max_context_len, num_sms(device),
+                                                   group_per_cta)
         max_splits = max(1, -(-max_context_len // partition_size))
     else:
         partition_size, max_splits = max(max_context_len, 1), 1

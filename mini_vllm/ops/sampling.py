@@ -10,7 +10,7 @@ same distribution as the torch sampler's `argmax(probs / Exponential(1))`.
 The uniform `w_i` comes from Philox4x32-10 keyed by the row's `(key, counter)`
 pair (`seeds[r]`), so a row's draw depends on nothing else in the batch.
 
-`sample_tokens_ref` computes the same scores in float64 with numpy, from the
+`sample_scores_ref` computes the same scores in float64 with numpy, from the
 same Philox words: the tests compare the kernel's choice with it.
 """
 
