@@ -4,8 +4,8 @@ For each shape (batch x context, block size, query / KV heads, head_dim 128,
 bf16) it times
 
 * ``ours``: ``mini_vllm.ops.paged_decode_attention`` (the default version
-  unless ``--version`` says otherwise; the main table also times the other
-  of versions 5 and 6 as ``ours_v5`` / ``ours_v6``),
+  unless ``--version`` says otherwise; the main table also times the others
+  of versions 5, 6 and 7 as ``ours_v5`` / ``ours_v6`` / ``ours_v7``),
 * ``gather_sdpa``: gather the paged K/V into a padded batch, then
   ``scaled_dot_product_attention`` (a paged path in plain PyTorch),
 * ``sdpa_contig``: SDPA over K/V stored contiguously (not paged: the cost of
@@ -24,13 +24,17 @@ Run it from the repository root after ``bash scripts/build_kernels.sh``::
 
     python benchmarks/kernels.py                      # all tables -> JSON + printed table
     python benchmarks/kernels.py --tables main --out main.json
+    python benchmarks/kernels.py --tables v7 --out v7.json  # version 7 vs 5 vs SDPA, ~3 min
     python benchmarks/kernels.py --dry-run            # tiny shapes, checks every path (CPU ok)
     python benchmarks/kernels.py --report benchmarks/results/kernels_h200.json  # markdown tables
 
 Tables: ``main`` (16/8 heads, block 16), ``heads32`` (32/8 heads),
 ``block_sizes``, ``versions`` (the chapter's kernel versions),
 ``pipeline`` (version 6's unroll and ring depths against version 5 and SDPA
-on contiguous K/V, at the shapes of the bar), ``layout`` (one KV head with
+on contiguous K/V, at the shapes of the bar), ``v7`` (version 7, the
+tensor-core kernel, at its default and other warps / stages, against
+version 5 and SDPA on contiguous K/V, at the shapes of the bar and at
+Qwen3-8B's 32/8 heads), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1, 2,
@@ -454,6 +458,37 @@ def bar_report(main: list[dict]) -> dict:
     return res
 
 
+def v7_bar_report(rows: list[dict]) -> dict:
+    """Each version-7 variant (and version 5) against SDPA on contiguous K/V.
+
+    At the bar's shapes (16/8 heads, batch >= 64, context >= 1k): min and max of
+    ours / SDPA time (< 1 is faster) and whether it is never slower; at 32/8
+    heads: the share of the copy bandwidth reached, batch >= 16.
+    """
+    res: dict = {}
+    names = [p for p in rows[0]["paths"] if p.startswith("ours")] if rows else []
+    for name in names:
+        ratios, frac32 = [], []
+        for r in rows:
+            ours, sdpa = r["paths"].get(name, {}), r["paths"].get("sdpa_contig", {})
+            if "us" not in ours:
+                continue
+            if (r["num_q_heads"] == 16 and r["batch"] >= 64 and r["context"] >= 1024
+                    and "us" in sdpa):
+                ratios.append(ours["us"] / sdpa["us"])
+            if r["num_q_heads"] == 32 and r["batch"] >= 16:
+                frac32.append(ours["frac_copy"])
+        entry: dict = {}
+        if ratios:
+            entry["time_vs_sdpa_contig_at_batch64_ctx1k"] = {"min": min(ratios),
+                                                             "max": max(ratios)}
+            entry["ge_sdpa_contig_at_batch64_ctx1k"] = max(ratios) <= 1.0
+        if frac32:
+            entry["frac_copy_32_8_heads_batch16"] = {"min": min(frac32), "max": max(frac32)}
+        res[name] = entry
+    return res
+
+
 def main_shapes() -> list[tuple[int, int, int, int, int]]:
     return [(b, c, 16, 16, 8) for b in (1, 8, 32, 64, 128, 256)
             for c in (128, 512, 1024, 2048, 4096, 8192)]
@@ -467,6 +502,16 @@ def pipeline_shapes() -> list[tuple[int, int, int, int, int]]:
     """The shapes of the bar (batch >= 64, context >= 1k) and three smaller ones."""
     return ([(b, c, 16, 16, 8) for b in (64, 128, 256) for c in (1024, 2048, 4096, 8192)]
             + [(1, 8192, 16, 16, 8), (8, 4096, 16, 16, 8), (32, 1024, 16, 16, 8)])
+
+
+# (warps, stages) of version 7 in the v7 table; the first is the default.
+V7_DEPTHS = ((2, 3), (2, 2), (2, 4), (4, 2), (4, 3), (1, 4))
+
+
+def v7_shapes() -> list[tuple[int, int, int, int, int]]:
+    """The pipeline table's shapes (16/8 heads), then Qwen3-8B's 32/8 heads."""
+    return pipeline_shapes() + [(b, c, 16, 32, 8) for b, c in
+                                ((1, 8192), (16, 4096), (64, 1024), (64, 4096), (256, 1024))]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -496,8 +541,17 @@ def run(args: argparse.Namespace) -> dict:
         result["pipeline"] = bench_decode(pipeline_shapes(), [*variants, "sdpa_contig"], copy_bw,
                                           device, check=False, variants=variants)
         save()
-    # The other pipelined version, timed beside `ours` in the same rows.
-    others = {f"ours_v{v}": {"version": v} for v in (5, 6) if v != args.version}
+    if "v7" in tables:
+        print("v7: version 7 (warps/stages) vs version 5 and SDPA, contiguous")
+        variants = {"ours_v5": {"version": 5}}
+        variants |= {f"ours_v7_w{w}s{st}": {"version": 7, "unroll": w, "stages": st}
+                     for w, st in V7_DEPTHS}
+        result["v7"] = bench_decode(v7_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
+                                    variants=variants)
+        result["v7_bar"] = v7_bar_report(result["v7"])
+        save()
+    # The other fast versions, timed beside `ours` in the same rows.
+    others = {f"ours_v{v}": {"version": v} for v in (5, 6, 7) if v != args.version}
     if "layout" in tables:
         print("layout: one KV head, blocks in order (SDPA's byte order) vs scattered")
         result["layout"] = []
@@ -520,9 +574,10 @@ def run(args: argparse.Namespace) -> dict:
     if "heads32" in tables:
         print("heads32: 32 q / 8 kv heads, block 16")
         shapes = [(b, c, 16, 32, 8) for b in (1, 16, 64, 256) for c in (128, 1024, 4096, 8192)]
+        v7 = {} if args.version == 7 else {"ours_v7": {"version": 7}}
         result["heads32"] = bench_decode(
-            shapes, ["ours", "ours_gt4", "gather_sdpa", "sdpa_contig"], copy_bw, device,
-            ours_kw=ours_kw, variants={"ours_gt4": {**ours_kw, "group_per_cta": 4}})
+            shapes, ["ours", "ours_gt4", *v7, "gather_sdpa", "sdpa_contig"], copy_bw, device,
+            ours_kw=ours_kw, variants={"ours_gt4": {**ours_kw, "group_per_cta": 4}, **v7})
         save()
     if "block_sizes" in tables:
         print("block_sizes: 16 q / 8 kv heads")
@@ -582,7 +637,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-PATH_NAMES = {"ours": "ours", "ours_v5": "ours, v5", "ours_v6": "ours, v6",
+PATH_NAMES = {"ours": "ours", "ours_v5": "ours, v5", "ours_v6": "ours, v6", "ours_v7": "ours, v7",
               "ours_gt4": "ours, 4 heads/CTA",
               "gather_sdpa": "gather + SDPA", "sdpa_contig": "SDPA, contiguous",
               "flex_contig": "Flex, contiguous"}
@@ -640,6 +695,28 @@ def report(path: Path) -> None:
                 (f"**{r['paths'][n]['us']:.1f}**" if r["paths"][n]["us"] == best
                  else f"{r['paths'][n]['us']:.1f}") for n in names) + " |")
         print()
+    if d.get("v7"):
+        rows = d["v7"]
+        names = list(rows[0]["paths"])
+        default = f"ours_v7_w{V7_DEPTHS[0][0]}s{V7_DEPTHS[0][1]}"
+        print("**v7** (µs per call; version 7 as warps/stages, the first its default; "
+              "last column: v7 default / SDPA)\n")
+        print("| heads | batch × context | " + " | ".join(
+            n.removeprefix("ours_").replace("v7_w", "v7 w").replace("sdpa_contig", "SDPA, contig.")
+            for n in names) + " | v7 / SDPA |")
+        print("|---|---|" + "---|" * (len(names) + 1))
+        for r in rows:
+            us = {n: v["us"] for n, v in r["paths"].items() if "us" in v}
+            best = min(us.values(), default=None)
+            ratio = (f"{us[default] / us['sdpa_contig']:.3f}"
+                     if default in us and "sdpa_contig" in us else "-")
+            print(f"| {r['num_q_heads']}/{r['num_kv_heads']} | {r['batch']} × {r['context']} | "
+                  + " | ".join("-" if n not in us else
+                               (f"**{us[n]:.1f}**" if us[n] == best else f"{us[n]:.1f}")
+                               for n in names) + f" | {ratio} |")
+        print()
+        if d.get("v7_bar"):
+            print("**v7 bar**:", json.dumps(d["v7_bar"]), "\n")
     if d.get("layout"):
         names = list(d["layout"][0]["paths"])
         print("**layout** (2 query / 1 KV head; µs per call)\n")
@@ -730,11 +807,11 @@ def report_gemv(rows: list[dict]) -> None:
 def dry_run() -> None:
     """Every decode path once at tiny shapes against the reference (CPU or GPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    paths = ["gather_sdpa", "sdpa_contig"] + (["ours"] if ops.is_available() else [])
+    paths = ["gather_sdpa", "sdpa_contig"] + (["ours", "ours_v7"] if ops.is_available() else [])
     for shape in [(2, 40, 16, 16, 8), (3, 100, 32, 32, 8)]:
         case = DecodeCase(*shape, device=device, contiguous=True, gather_index=True)
         for path in paths:
-            err = check_path(case, path)
+            err = check_path(case, path, **({"version": 7} if path == "ours_v7" else {}))
             print(f"  {shape} {path}: rel err {err:.2e}")
             if err > 1e-2:
                 raise SystemExit(f"{path} disagrees with the reference")
@@ -768,6 +845,8 @@ def main() -> None:
                         help="only run our kernel 5 times at one shape (for ncu)")
     parser.add_argument("--profile-path", default="ours", choices=["ours", "sdpa_contig"],
                         help="what --profile runs: our kernel or SDPA on contiguous K/V")
+    parser.add_argument("--profile-heads", default="16,8", metavar="Q,KV",
+                        help="query and KV heads of --profile (16,8: Qwen3-0.6B; 32,8: 8B)")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="print the tables of a results file as markdown and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -785,7 +864,8 @@ def main() -> None:
         raise SystemExit(f"mini_vllm.ops: {ops.unavailable_reason()}")
     if args.profile:
         batch, ctx, block_size = (int(x) for x in args.profile.split(","))
-        case = DecodeCase(batch, ctx, block_size, 16, 8, torch.device("cuda"),
+        num_q_heads, num_kv_heads = (int(x) for x in args.profile_heads.split(","))
+        case = DecodeCase(batch, ctx, block_size, num_q_heads, num_kv_heads, torch.device("cuda"),
                           contiguous=args.profile_path == "sdpa_contig", gather_index=False)
         kw = {"version": args.version} if args.profile_path == "ours" else {}
         call = path_calls(case, args.profile_path, **kw)[0]
@@ -797,6 +877,8 @@ def main() -> None:
     print(f"wrote {args.out}")
     if "bar" in result:
         print("bar:", json.dumps(result["bar"], indent=1))
+    if "v7_bar" in result:
+        print("v7 bar:", json.dumps(result["v7_bar"], indent=1))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
     case 4: return paged_attention_v4(p, as_stream(stream));
     case 5: return paged_attention_v5(p, as_stream(stream));
     case 6: return paged_attention_v6(p, as_stream(stream));
+    case 7: return paged_attention_v7(p, as_stream(stream));
     default: throw std::invalid_argument("unknown kernel version " + std::to_string(version));
   }
 }
@@ -78,7 +79,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mini-vllm CUDA kernels (raw-pointer interface; use mini_vllm.ops)";
-  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6);
+  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6, 7);
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
   register_layer_ops(m);
   register_gemv_ops(m);

@@ -49,7 +49,8 @@ struct DecodeParams {
   int max_splits = 1;
   float scale = 1.0f;
   DType dtype = DType::kBFloat16;
-  // Tokens per lane per step in versions 4 and 5 (0: the built-in default).
+  // Tokens per lane per step in versions 4 and 5 (0: the built-in default);
+  // warps per CTA in version 7.
   int unroll = 0;
   // Version 5 only, sm_90+: launch the CTAs of one (split, sequence) that
   // serve neighbouring KV heads as a thread-block cluster of this many CTAs,
@@ -58,7 +59,7 @@ struct DecodeParams {
   // Query heads one CTA serves (1, 2, 4 or 8, dividing the GQA group);
   // 0: the largest that divides the group.
   int heads_per_cta = 0;
-  // Version 6 only: shared-memory stages of the cp.async ring (0: default).
+  // Versions 6 and 7: shared-memory stages of the cp.async ring (0: default).
   int stages = 0;
 };
 
@@ -69,6 +70,7 @@ void paged_attention_v3(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v4(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v5(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v6(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v7(const DecodeParams& p, cudaStream_t stream);
 
 // New tokens' K and V into their cache slots (slot -1: skip).
 struct CacheWriteParams {

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from mini_vllm import ops
 from mini_vllm.attention import AttentionMetadata
-from mini_vllm.ops._extension import num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +46,7 @@ class CudaAttentionMetadata(AttentionMetadata):
             each, so they are also the first `num_decodes` tokens.
         decode_max_context_len: a host-side upper bound of those sequences'
             `context_lens` (it sizes the decode kernel's split-K grid; under a
-            CUDA graph it is `max_model_len`, fixed at capture).
-        decode_typical_context_len: when set, the decode kernel's partitions
-            are sized for contexts of this length rather than for the bound
-            (see `ops.decode_partition_size`): what a CUDA graph asks for.
+            CUDA graph it is the graph's context bound, fixed at capture).
         prefill_query_start_loc: `[P+1] int32`, `query_start_loc` of the other
             `P` sequences, starting at 0 (None when `P == 0`).
         prefill_query_start_loc_cpu: the same as host ints.
@@ -59,7 +55,6 @@ class CudaAttentionMetadata(AttentionMetadata):
 
     num_decodes: int = 0
     decode_max_context_len: int = 0
-    decode_typical_context_len: int | None = None
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_query_start_loc_cpu: list[int] = field(default_factory=list)
     prefill_context_lens_cpu: list[int] = field(default_factory=list)
@@ -189,8 +184,7 @@ class CudaAttentionBackend:
         nd, num_tokens = meta.num_decodes, q.shape[0]
         if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                scale, meta.decode_max_context_len,
-                                meta.decode_typical_context_len)
+                                scale, meta.decode_max_context_len)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.block_tables,
                                  meta.prefill_query_start_loc, meta.context_lens, scale,
@@ -209,16 +203,10 @@ class CudaAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                max_context_len: int, typical_context_len: int | None = None) -> torch.Tensor:
+                max_context_len: int) -> torch.Tensor:
         if self.decode_impl == "kernel":
-            partition_size = None
-            if typical_context_len is not None:
-                partition_size = ops.decode_partition_size(
-                    q.shape[0], q.shape[1], k_cache.shape[2], max_context_len,
-                    num_sms(q.device), typical_context_len=typical_context_len)
             return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                              scale, max_context_len,
-                                              partition_size=partition_size)
+                                              scale, max_context_len)
         return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,9 @@ by one from Python, the launches take longer than the GPU work. A CUDA graph
 records the launches of the whole forward (and the logits) once, for a fixed
 batch size reading fixed input buffers, and replays them with one call.
 
-    capture sizes   1  2  4  8  16  24  32  ...  max            (one graph each)
+    capture sizes   1  2  4  8  16  24  32  ...  max            (a graph each; small
+                                                                  sizes one per context
+                                                                  bound, see below)
     static inputs   input_ids, positions, slot_mapping   [3, max]  int64
                     context_lens                         [max]     int32
                     block_tables                         [max, W]  int32
@@ -39,11 +41,13 @@ from mini_vllm.cuda_backend import CudaAttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
-# A graph is captured for contexts up to max_model_len, but most steps see far
-# shorter ones: small batches get the decode kernel's partitions sized for this
-# many tokens (measured at batch 1 on an H200: 1.31 ms per output token at a
-# 576-token context with partitions sized for 8,256, 1.02 ms at 192 tokens).
-GRAPH_TYPICAL_CONTEXT_LEN = 2048
+# A graph fixes the decode kernel's split-K grid, sized for a bound of the
+# contexts. A batch too small to fill the GPU without splits is captured once
+# per bound of this ladder (and max_model_len), and a step replays the graph
+# of the smallest bound that holds its longest context: a step at a 150-token
+# context does not launch the hundreds of idle CTAs an 8k-token grid has, and
+# one at 8k does not walk 64-token partitions (chapter 9).
+CONTEXT_BOUNDS = (256, 1024, 4096)
 
 # (input_ids, positions, kv_caches, metadata) -> logits [bs, vocab]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMetadata],
@@ -60,6 +64,22 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[i
     sizes = [s for s in (1, 2, 4) if s < limit]
     sizes += list(range(8, limit, 8))
     return sorted(set(sizes) | {limit})
+
+
+def context_bounds(max_context_len: int, grid: Callable[[int], object]) -> list[int]:
+    """The context bounds to capture a batch size for, ascending, max_context_len last.
+
+    Args:
+        max_context_len: the engine's bound (`max_model_len`).
+        grid: the decode kernel's grid for a bound (anything comparable):
+            a bound whose grid equals that of the next larger one is dropped,
+            so a batch that needs no splits gets one graph.
+    """
+    bounds = [max_context_len]
+    for b in sorted((b for b in CONTEXT_BOUNDS if b < max_context_len), reverse=True):
+        if grid(b) != grid(bounds[0]):
+            bounds.insert(0, b)
+    return bounds
 # --8<-- [end:capture_sizes]
 
 
@@ -73,9 +93,10 @@ class CudaGraphRunner:
         sizes: the batch sizes to capture (see `capture_sizes`).
         max_blocks_per_seq: width `W` of the static block table (the blocks
             of a `max_model_len`-token sequence).
-        max_context_len: the context-length bound the decode kernel is
-            captured with (`max_model_len`).
+        max_context_len: the engine's context-length bound (`max_model_len`).
         device: the GPU.
+        bounds: a batch size's context bounds to capture (see
+            `context_bounds`); None: `[max_context_len]` for every size.
     """
 
     def __init__(
@@ -86,6 +107,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         max_context_len: int,
         device: torch.device,
+        bounds: Callable[[int], list[int]] | None = None,
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive, got {sizes}")
@@ -102,15 +124,17 @@ class CudaGraphRunner:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Per batch size, the context bounds it has a graph for, ascending.
+        self.bounds = {bs: bounds(bs) if bounds else [max_context_len] for bs in self.sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, bound)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of `num_seqs` runs at, or None if it is too big."""
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def _metadata(self, bs: int) -> CudaAttentionMetadata:
+    def _metadata(self, bs: int, bound: int) -> CudaAttentionMetadata:
         # The host lists describe the padded capture-time batch; the decode
         # path reads only the device tensors and the bound.
         return CudaAttentionMetadata(
@@ -119,23 +143,21 @@ class CudaGraphRunner:
             context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs],
             max_query_len=1,
-            max_context_len=self.max_context_len,
+            max_context_len=bound,
             query_start_loc_cpu=list(range(bs + 1)),
             context_lens_cpu=[1] * bs,
             num_decodes=bs,
-            decode_max_context_len=self.max_context_len,
-            # Partitions for the contexts a step usually has, not for the bound.
-            decode_typical_context_len=GRAPH_TYPICAL_CONTEXT_LEN,
+            decode_max_context_len=bound,  # sizes the decode kernel's grid
         )
 
-    def _run_eager(self, bs: int) -> torch.Tensor:
+    def _run_eager(self, bs: int, bound: int) -> torch.Tensor:
         return self.forward(self.token_inputs[0, :bs], self.token_inputs[1, :bs],
-                            self.kv_caches, self._metadata(bs))
+                            self.kv_caches, self._metadata(bs, bound))
 
     # --8<-- [start:capture]
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up and capture every size, largest first, into one memory pool."""
+        """Warm up and capture every size and bound, largest first, into one memory pool."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         # Capture on a side stream (as torch.cuda.graph() does, without its
@@ -145,24 +167,26 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
-                self._run_eager(bs)  # warm-up: library handles, workspaces, lazy init
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=pool)
-                try:
-                    out = self._run_eager(bs)
-                finally:
-                    graph.capture_end()
-                self.graphs[bs], self.outputs[bs] = graph, out
+                for bound in reversed(self.bounds[bs]):
+                    self._run_eager(bs, bound)  # warm-up: handles, workspaces, lazy init
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool)
+                    try:
+                        out = self._run_eager(bs, bound)
+                    finally:
+                        graph.capture_end()
+                    self.graphs[bs, bound], self.outputs[bs, bound] = graph, out
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.max_size, time.perf_counter() - start)
+                    len(self.graphs), self.sizes[0], self.max_size, time.perf_counter() - start)
     # --8<-- [end:capture]
 
     # --8<-- [start:replay]
     def run(self, token_inputs: torch.Tensor, context_lens: torch.Tensor,
             block_tables: torch.Tensor,
-            token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None,
+            max_context_len: int | None = None) -> torch.Tensor:
         """Fill the static buffers and replay the graph of their padded size.
 
         Args:
@@ -174,6 +198,9 @@ class CudaGraphRunner:
             token_fixes: `(rows, ids)` device tensors: input ids to overwrite
                 after the copy (tokens sampled by the previous step, never on
                 the host).
+            max_context_len: the longest context of the step (a host int):
+                picks the graph of the smallest bound that holds it; None:
+                the largest.
 
         Returns:
             `[bs, vocab]` float32 logits (a graph output: valid until the next run).
@@ -185,13 +212,18 @@ class CudaGraphRunner:
         if token_fixes is not None:
             rows, ids = token_fixes
             self.token_inputs[0].index_copy_(0, rows, ids.to(torch.int64))
-        graph = self.graphs.get(bs)
+        bounds = self.bounds[bs]
+        bound = bounds[-1]
+        if max_context_len is not None:
+            bound = bounds[bisect.bisect_left(bounds, max_context_len)]
+        graph = self.graphs.get((bs, bound))
         if graph is None:  # not captured (CPU checks of the padding): same buffers, eagerly
-            return self._run_eager(bs)
+            return self._run_eager(bs, bound)
         graph.replay()
-        return self.outputs[bs]
+        return self.outputs[bs, bound]
     # --8<-- [end:replay]
 # --8<-- [end:graph_runner]
 
 
-__all__ = ["MAX_CAPTURE_SIZE", "CudaGraphRunner", "capture_sizes"]
+__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "capture_sizes",
+           "context_bounds"]

@@ -22,11 +22,13 @@ from itertools import chain, islice
 import numpy as np
 import torch
 
+from mini_vllm import ops
 from mini_vllm.attention import AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
 from mini_vllm.cuda_backend import CudaAttentionMetadata, select_attention_backend
-from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes
+from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes, context_bounds
 from mini_vllm.models.loader import load_model
+from mini_vllm.ops._extension import num_sms
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +204,10 @@ class ModelRunner:
         # The fast path: on a GPU always; graphs unless enforce_eager.
         self.use_fast_path = self.device.type == "cuda"
         self.staging = StagingBuffer(self.device)
+        # On the fast path, an event recorded just before the last step's
+        # forward (after its inputs were copied): with an event after it, it
+        # times the step on the GPU, without the host's work of preparing it.
+        self.step_start: torch.cuda.Event | None = None
         self.graph_runner: CudaGraphRunner | None = None
         if self.use_fast_path and not engine_config.enforce_eager:
             self.graph_runner = self._capture_cuda_graphs()
@@ -427,9 +433,26 @@ class ModelRunner:
             self._forward_logits, self.kv_caches, capture_sizes(max_seqs),
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             max_context_len=sched.max_model_len, device=self.device,
+            bounds=lambda bs: context_bounds(
+                sched.max_model_len, lambda bound: self._decode_grid(bs, bound)),
         )
         runner.capture()
         return runner
+
+    def _decode_grid(self, num_seqs: int, bound: int) -> tuple[int, int] | None:
+        """The decode kernel's (partition size, splits) for contexts up to `bound`."""
+        if self.attn_backend is None or self.attn_backend.decode_impl != "kernel":
+            return None  # the torch decode has no grid to size
+        cfg = self.model_config
+        size = ops.decode_partition_size(num_seqs, cfg.num_attention_heads,
+                                         cfg.num_key_value_heads, bound, num_sms(self.device))
+        splits = -(-bound // size)
+        return (size, splits) if splits > 1 else (0, 1)  # one split: the size is moot
+
+    def _mark_step_start(self) -> None:
+        if self.device.type == "cuda":  # (the fast path also runs on the CPU in tests)
+            self.step_start = torch.cuda.Event(enable_timing=True)
+            self.step_start.record()
 
     # --8<-- [start:execute_fast]
     @torch.inference_mode()
@@ -537,7 +560,9 @@ class ModelRunner:
         token_fixes = None
         if has_prev.any():
             token_fixes = (views[3], prev_sampled.index_select(0, views[4]))
-        logits = self.graph_runner.run(views[0], views[1], views[2], token_fixes)
+        self._mark_step_start()
+        logits = self.graph_runner.run(views[0], views[1], views[2], token_fixes,
+                                       max_context_len=int(host["context_lens"].max()))
         return logits[:n] if sample.all() else logits[views[5]]  # of [padded, vocab]
     # --8<-- [end:replay_decode]
 
@@ -589,6 +614,7 @@ class ModelRunner:
             prefill_query_start_loc_cpu=prefill_start_loc.tolist(),
             prefill_context_lens_cpu=context_lens[num_decodes:].tolist(),
         )
+        self._mark_step_start()
         hidden = self.model(views[0], views[1], self.kv_caches, meta)  # [T, hidden]
         return self.model.lm_head(hidden[views[3]])  # [N, vocab], model dtype
     # --8<-- [end:run_eager]

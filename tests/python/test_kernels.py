@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mini_vllm import ops
+from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, heads_per_cta
 from mini_vllm.ops.reference import (
     gather_context_ref,
     paged_decode_attention_ref,
@@ -37,7 +38,14 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_SHAPES = ((16, 8, 128), (32, 8, 128), (4, 2, 32), (16, 2, 64), (40, 8, 128), (8, 8, 64))
 # The versions an engine would pick (the default among them): each is held to
 # every shape, dtype and block size below.
-FAST_VERSIONS = (5, 6)
+FAST_VERSIONS = (5, 6, 7)
+
+
+def _unsupported(version: int, heads: tuple[int, int, int]) -> str | None:
+    """What the wrapper says when `version` cannot serve these heads (None: it can)."""
+    if version == 7 and heads[2] not in V7_HEAD_DIMS:
+        return f"version 7 supports head_dim .* not {heads[2]}"
+    return None
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -125,6 +133,10 @@ def _gen(*key: object) -> torch.Generator:
 def test_decode_matches_reference(dtype: torch.dtype, block_size: int,
                                   heads: tuple[int, int, int], version: int) -> None:
     gen = _gen("decode", str(dtype), block_size, heads, version)
+    if why := _unsupported(version, heads):
+        with pytest.raises(ValueError, match=why):
+            _run_decode([5], block_size, heads, dtype, gen, version=version)
+        return
     _run_decode(_context_lens(7, 3 * block_size + 5, block_size, gen), block_size, heads,
                 dtype, gen, version=version)
     _run_decode(_context_lens(3, 2000, block_size, gen), block_size, heads, dtype, gen,
@@ -148,7 +160,7 @@ def test_decode_batches_and_long_contexts(dtype: torch.dtype, batch: int, max_ct
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [3, 4, 5, 6])
+@pytest.mark.parametrize("version", [3, 4, 5, 6, 7])
 @pytest.mark.parametrize("partition_size", [16, 32, 64, 512])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_decode_split_k_partitions(block_size: int, partition_size: int, version: int) -> None:
@@ -161,20 +173,27 @@ def test_decode_split_k_partitions(block_size: int, partition_size: int, version
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("version", ops.DECODE_VERSIONS)
 @pytest.mark.parametrize("heads", [(16, 8, 128), (4, 2, 32), (40, 8, 128)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_every_version(version: int, heads: tuple[int, int, int],
                               dtype: torch.dtype) -> None:
     gen = _gen("versions", version, heads, str(dtype))
+    if why := _unsupported(version, heads):
+        with pytest.raises(ValueError, match=why):
+            _run_decode([5], 16, heads, dtype, gen, version=version)
+        return
     for block_size in (16, 128):
         _run_decode(_context_lens(6, 3000, block_size, gen), block_size, heads, dtype, gen,
                     version=version)
 
 
-# (version, unroll, stages): every depth built besides the defaults.
+# (version, unroll, stages): every depth built besides the defaults (version 7:
+# unroll = warps per CTA).
 TUNING_DEPTHS = [(4, 2, 0), (4, 8, 0), (5, 2, 0), (5, 4, 0), (6, 1, 8), (6, 2, 4), (6, 2, 6),
-                 (6, 4, 2), (6, 4, 3), (6, 4, 4), (6, 4, 0), (6, 0, 4), (6, 1, 0)]
+                 (6, 4, 2), (6, 4, 3), (6, 4, 4), (6, 4, 0), (6, 0, 4), (6, 1, 0),
+                 (7, 1, 4), (7, 2, 2), (7, 2, 4), (7, 4, 2), (7, 4, 3), (7, 2, 3), (7, 0, 2),
+                 (7, 2, 0)]
 
 
 @pytest.mark.gpu
@@ -193,13 +212,21 @@ def test_decode_tuning_unrolls(version: int, unroll: int, stages: int,
 
 @pytest.mark.gpu
 @gpu
-def test_decode_v6_depth_not_built_says_so() -> None:
+def test_decode_depth_not_built_says_so() -> None:
     k_cache, v_cache, tables, lens = _paged_batch([40], 16, 8, 128, torch.bfloat16, "cuda",
                                                   _gen("not built"))
     query = torch.randn((1, 16, 128), device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="not built"):
         ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40, version=6,
                                    unroll=4, stages=7)
+    for unroll, stages in ((3, 0), (0, 5), (8, 3)):
+        with pytest.raises(ValueError, match="version 7 with .* not built"):
+            ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40,
+                                       version=7, unroll=unroll, stages=stages)
+    # The tuning depths are built for bfloat16 only.
+    with pytest.raises(ValueError, match="version 7 with 4 warps and 2 stages is not built"):
+        ops.paged_decode_attention(query.half(), k_cache.half(), v_cache.half(), tables, lens,
+                                   0.1, 40, version=7, unroll=4, stages=2)
 
 
 @pytest.mark.gpu
@@ -215,13 +242,62 @@ def test_decode_cluster_launch(cluster: int) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("version", [3, 4, 5, 6])
+@pytest.mark.parametrize("version", [3, 4, 5, 6, 7])
 @pytest.mark.parametrize("group_per_cta", [1, 2, 4, 8])
 def test_decode_heads_per_cta(group_per_cta: int, version: int) -> None:
     """Any tiling of a GQA group of 8 over CTAs gives the same result."""
     gen = _gen("group", group_per_cta, version)
     _run_decode(_context_lens(4, 1200, 16, gen), 16, (64, 8, 128), torch.bfloat16, gen,
                 version=version, group_per_cta=group_per_cta)
+
+
+# Version 7 serves a whole GQA group (1, 2, 4 or 8 heads) in one CTA, at both head dims.
+V7_HEADS = [(8, 8, 128), (16, 8, 128), (32, 8, 128), (64, 8, 128),
+            (8, 8, 64), (16, 8, 64), (32, 8, 64), (64, 8, 64)]
+# Around its 16-token tiles and the blocks; the last one ends mid-block at every block size.
+V7_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 1000, 8189]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", V7_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_v7_groups_and_tile_edges(dtype: torch.dtype, block_size: int,
+                                         heads: tuple[int, int, int]) -> None:
+    """Every group and head dim; contexts that end on and around tile and block edges,
+    with the partitions the wrapper picks (several splits for 8189 tokens) and with
+    partitions of 32 tokens (many splits, shorter than a block from 64 up)."""
+    gen = _gen("v7", str(dtype), block_size, heads)
+    assert heads_per_cta(heads[0], heads[1], 7) == heads[0] // heads[1]
+    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=7)
+    _run_decode(V7_CONTEXTS[:-1], block_size, heads, dtype, gen, version=7, partition_size=32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("batch", "max_ctx"), [(1, 8192), (3, 8189), (64, 1024), (256, 300)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (64, 8, 64)], ids=str)
+def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int]) -> None:
+    """Groups of 4 and 8 at batches of 1 to 256, one split or many."""
+    gen = _gen("v7 batches", batch, max_ctx, heads)
+    lens = ([max_ctx - 7 * i for i in range(batch)] if batch <= 3
+            else _context_lens(batch, max_ctx, 32, gen))
+    _run_decode(lens, 32, heads, torch.bfloat16, gen, version=7)
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_v7_unsupported_says_so() -> None:
+    gen = _gen("v7 unsupported")
+    k_cache, v_cache, tables, lens = _paged_batch([40], 16, 2, 32, torch.bfloat16, "cuda", gen)
+    query = torch.randn((1, 4, 32), device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="version 7 supports head_dim"):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40, version=7)
+    k_cache, v_cache, tables, lens = _paged_batch([40], 8, 8, 128, torch.bfloat16, "cuda", gen)
+    query = torch.randn((1, 16, 128), device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="version 7 needs block_size >= 16, got 8"):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40, version=7)
 
 
 @pytest.mark.gpu
@@ -403,8 +479,15 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"block_tables": torch.ones(2, 3, dtype=torch.int64)}, "block_tables: dtype int64"),
     ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
     ({"out": torch.empty(2, 16, 64, dtype=torch.bfloat16)}, "out: shape"),
-    ({"version": 7}, "version 7 is not one of"),
-    ({"version": 5, "stages": 3}, "stages applies to version 6 only"),
+    ({"version": 8}, "version 8 is not one of"),
+    ({"version": 5, "stages": 3}, "stages applies to versions 6 and 7 only"),
+    ({"version": 7, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "query": torch.randn(2, 4, 32, dtype=torch.bfloat16)}, "version 7 supports head_dim"),
+    ({"version": 7, "k_cache": torch.randn(4, 8, 8, 128, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 8, 8, 128, dtype=torch.bfloat16)},
+     "version 7 needs block_size >= 16, got 8"),
+    ({"version": 7, "stages": 2}, "must be on a CUDA device"),
     ({"version": 6, "stages": -1}, "stages must be >= 0"),
     ({"partition_size": 48}, "partition_size 48 must be a power of two"),
     ({}, "must be on a CUDA device"),
@@ -430,6 +513,15 @@ def test_cache_wrapper_validation() -> None:
         ops.reshape_and_cache(key, key, cache, cache.clone(), slots)
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
         ops.reshape_and_cache(key.tolist(), key, cache, cache.clone(), slots)
+
+
+def test_heads_per_cta_by_version() -> None:
+    """Versions 5 and 6 serve at most 2 heads per CTA; 7 (and 1-4) the whole group up to 8."""
+    for version, expect in ((5, (2, 2, 2, 1, 1)), (6, (2, 2, 2, 1, 1)),
+                            (7, (2, 4, 8, 1, 1)), (3, (2, 4, 8, 1, 1))):
+        got = tuple(heads_per_cta(q, kv, version)
+                    for q, kv in ((16, 8), (32, 8), (64, 8), (40, 8), (8, 8)))
+        assert got == expect, (version, got)
 
 
 def test_partition_size_heuristic() -> None:

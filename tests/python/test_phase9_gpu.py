@@ -180,7 +180,9 @@ def test_backend_is_chosen_automatically(tiny_model_dir: Path,
         assert (backend.write_impl, backend.decode_impl) == ("torch", "torch")
         assert "CUDA kernels not used" in caplog.text
     assert "attention backend cuda" in caplog.text
-    assert sorted(runner.graph_runner.graphs) == capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    # max_model_len 256 is below every bound of the ladder: one graph per size.
+    assert sorted(runner.graph_runner.graphs) == [(bs, 256) for bs in (1, 2, 4, 8)]
     assert runner.kv_cache.dtype == torch.bfloat16
     assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
@@ -382,31 +384,67 @@ def test_reused_sampling_metadata_draws_the_same_tokens(tiny_model_dir: Path,
     assert len({tuple(t) for t in reused}) == 4
 
 
-def test_graph_partitions_are_sized_for_typical_contexts() -> None:
-    """A graph bound of 8,256 tokens must not make a batch of 1 walk 512-token partitions."""
-    from mini_vllm.cuda_graphs import GRAPH_TYPICAL_CONTEXT_LEN
-    from mini_vllm.ops.paged_attention import MAX_SPLITS_PER_SEQ, decode_partition_size
+def test_small_batches_get_a_graph_per_context_bound() -> None:
+    """Batch 1 is captured per bound of the ladder; a batch that fills the GPU once."""
+    from mini_vllm.cuda_graphs import CONTEXT_BOUNDS, context_bounds
+    from mini_vllm.ops.paged_attention import decode_partition_size
 
-    small = decode_partition_size(1, 16, 8, 8256, 132, typical_context_len=2048)
-    assert decode_partition_size(1, 16, 8, 8256, 132) == 512  # sized for the bound
-    assert small == decode_partition_size(1, 16, 8, 2048, 132) == 64
-    assert -(-8256 // small) > MAX_SPLITS_PER_SEQ  # the grid still covers the bound
-    # A batch that fills the GPU without splits keeps one partition per sequence.
-    assert decode_partition_size(256, 16, 8, 4096, 132, typical_context_len=2048) == 4096
-    assert GRAPH_TYPICAL_CONTEXT_LEN == 2048
+    def grid(bs: int):
+        def of(bound: int) -> tuple[int, int]:
+            size = decode_partition_size(bs, 16, 8, bound, 132)
+            return (size, -(-bound // size)) if size < bound else (0, 1)
+        return of
+
+    assert context_bounds(8256, grid(1)) == [*CONTEXT_BOUNDS, 8256]
+    # Each bound's grid is its own: 8,256 tokens in 17 partitions of 512, 256 in 4 of 64.
+    assert grid(1)(8256) == (512, 17) and grid(1)(256) == (64, 4)
+    # 2,048 CTAs need no split up to the longest partition (4,096 tokens).
+    assert context_bounds(4096, grid(256)) == [4096]
+    assert context_bounds(8256, grid(256)) == [4096, 8256]
+    assert context_bounds(1000, grid(1)) == [256, 1000]
+    assert context_bounds(4096, lambda bound: None) == [4096]  # no kernel grid to size
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
-def test_graph_decode_past_the_typical_context_equals_eager(tiny_model_dir: Path) -> None:
-    """Batch 1 at 3,000 tokens: more than 32 splits of 64 tokens in the graph."""
+@pytest.mark.parametrize("context", [100, 600, 3000])
+def test_graph_of_each_context_bound_equals_eager(tiny_model_dir: Path, context: int) -> None:
+    """Batch 1 replays the graphs of bounds 256, 1,024 and 4,096 (68 splits of 64 at 3k)."""
     runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16", block_size=16,
                                        num_gpu_blocks_override=260, max_model_len=4096))
-    prompt = random_prompts([3000], runner.vocab_size, seed=7)[0]
-    table = list(range(1, 190))  # 189 blocks of 16: 3,024 tokens
+    assert runner.graph_runner.bounds[1] == [256, 1024, 4096]
+    prompt = random_prompts([context], runner.vocab_size, seed=7)[0]
+    table = list(range(1, 1 + -(-(context + 1) // 16)))
     token = int(runner.execute([BatchEntry(prompt, 0, table)]).argmax(-1))
     entry = [BatchEntry([token], len(prompt), table)]
     eager = runner.execute_fast(entry, use_graph=False).float()
     graph = runner.execute_fast(entry, use_graph=True).float()
     assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
     assert graph.argmax(-1).item() == eager.argmax(-1).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
+def test_programmatic_launch_changes_no_bit(tiny_model_dir: Path) -> None:
+    """Kernels launched with PDL (the default on sm_90+) and without: the same logits.
+
+    A head_dim of 64 puts every fused kernel of a decode step in the chain (the
+    tiny model's 32 keeps the torch norms); graphs and eager steps, batches 1 to 5.
+    """
+    from mini_vllm.checkpoint import make_model
+
+    path = make_model(tiny_model_dir.parent / "pdl-64", preset="tiny",
+                      overrides={"head_dim": 64})
+    prompts = random_prompts([40, 17, 70, 33, 25], 1000, seed=3)
+    results = {}
+    try:
+        for pdl in (False, True):
+            ops.set_programmatic_launch(pdl)  # graphs keep the setting they were captured with
+            runner = ModelRunner(engine_config(path, "cuda", "bfloat16"))
+            results[pdl] = greedy_run(runner, prompts, num_steps=9)
+            del runner
+    finally:
+        ops.set_programmatic_launch(True)
+    (seqs_off, logits_off), (seqs_on, logits_on) = results[False], results[True]
+    assert seqs_on == seqs_off
+    assert all(torch.equal(a, b) for a, b in zip(logits_on, logits_off))
