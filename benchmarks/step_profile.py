@@ -24,6 +24,7 @@ Results: a table on stdout and JSON in `--output`.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import random
 import statistics
@@ -48,6 +49,7 @@ from benchmarks.common import (
     time_calls,
     write_json,
 )
+from mini_vllm import ops
 from mini_vllm.config import EngineArgs
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.sampler import Sampler, SamplingMetadata
@@ -148,8 +150,20 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     # GPU time of the graph replay alone, and of the eager forward.
     graph_bs = runner.graph_runner.padded_size(batch) if runner.graph_runner else None
     if graph_bs is not None:
-        graph = runner.graph_runner.graphs[graph_bs]
-        result["graph_replay_gpu_ms"] = _event_ms(graph.replay, steps)
+        bounds = runner.graph_runner.bounds[graph_bs]  # the graph the steps above replayed
+        bound = bounds[bisect.bisect_left(bounds, context + steps)]
+        result["graph_replay_gpu_ms"] = _event_ms(
+            lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
+        if ops.is_available() and ops.programmatic_launch():
+            # The same graph captured with every kernel launched plainly.
+            ops.set_programmatic_launch(False)
+            try:
+                runner.graph_runner.capture()
+                result["graph_replay_gpu_ms_without_pdl"] = _event_ms(
+                    lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
+            finally:
+                ops.set_programmatic_launch(True)
+                runner.graph_runner.capture()
     result["eager_forward_ms"] = _event_ms(
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
     logits = runner.execute(entries(0), float_logits=False)
@@ -327,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"GPU ms per step by category: {runner['gpu_ms_by_category']}")
     print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
     print(f"RMSNorm variants (us per call): {runner['rms_norm_us']}")
-    cols = ["batch", "context", "floor_ms", "graph_replay_gpu_ms", "eager_forward_ms",
+    cols = ["batch", "context", "floor_ms", "graph_replay_gpu_ms",
+            "graph_replay_gpu_ms_without_pdl", "eager_forward_ms",
             "execute_host_ms", "sampling_metadata_ms", "sampler_host_ms", "sampler_gpu_ms",
             "wait_gpu_ms", "step_wall_ms"]
     print(format_table([runner], cols))

@@ -5,6 +5,7 @@
 // (torch.cuda.current_stream().cuda_stream). The module links only the CUDA
 // runtime, never PyTorch, so one build works with any installed PyTorch.
 // The checked, tensor-level API lives in mini_vllm/ops.
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,7 @@ using namespace mini_vllm;
 namespace mini_vllm {
 void register_layer_ops(py::module_& m);  // layer_bindings.cpp: the fused layer kernels
 void register_gemv_ops(py::module_& m);   // gemv_bindings.cpp: the skinny GEMM
+std::atomic<bool>& programmatic_launch_flag();  // pdl.cu
 }  // namespace mini_vllm
 
 namespace {
@@ -83,6 +85,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
   register_layer_ops(m);
   register_gemv_ops(m);
+  m.def("set_programmatic_launch",
+        [](bool enabled) { programmatic_launch_flag().store(enabled); }, py::arg("enabled"),
+        "Launch the kernels that support it with programmatic dependent launch (sm_90+).");
+  m.def("programmatic_launch", []() { return programmatic_launch_flag().load(); },
+        "Whether programmatic dependent launch is on (it applies on sm_90+ only).");
 
   m.def("paged_attention_decode", &decode, "Paged decode attention (see DecodeParams).",
         py::arg("version"), py::arg("out"), py::arg("q"), py::arg("k_cache"),

@@ -6,6 +6,7 @@
 // type: one token row of the cache (all KV heads) is
 // num_kv_heads * head_dim * element_size bytes, contiguous.
 #include "common.cuh"
+#include "pdl.cuh"
 
 namespace mini_vllm {
 namespace {
@@ -22,6 +23,8 @@ __global__ void __launch_bounds__(kCopyThreads) reshape_and_cache_kernel(
     uint4* __restrict__ v_cache, const int64_t* __restrict__ slot_mapping, int vecs_per_row,
     int64_t key_stride_vecs, int64_t value_stride_vecs) {
   const int token = blockIdx.x;
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): key/value come from the kernel before
+  pdl_wait();
   const int64_t slot = slot_mapping[token];
   if (slot < 0) return;
   const uint4* k_src = key + token * key_stride_vecs;
@@ -76,11 +79,12 @@ void reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream) {
   if ((p.key_stride * esize) % 16 != 0 || (p.value_stride * esize) % 16 != 0) {
     throw std::invalid_argument("key / value token strides must be multiples of 16 bytes");
   }
-  reshape_and_cache_kernel<<<p.num_tokens, kCopyThreads, 0, stream>>>(
-      static_cast<const uint4*>(p.key), static_cast<const uint4*>(p.value),
-      static_cast<uint4*>(p.k_cache), static_cast<uint4*>(p.v_cache), p.slot_mapping,
-      static_cast<int>(row_bytes / 16), p.key_stride * esize / 16, p.value_stride * esize / 16);
-  MINI_VLLM_CHECK_LAUNCH("reshape_and_cache_kernel");
+  launch_kernel(reshape_and_cache_kernel, dim3(p.num_tokens), dim3(kCopyThreads), 0, stream,
+                "reshape_and_cache_kernel", static_cast<const uint4*>(p.key),
+                static_cast<const uint4*>(p.value), static_cast<uint4*>(p.k_cache),
+                static_cast<uint4*>(p.v_cache), p.slot_mapping,
+                static_cast<int>(row_bytes / 16), p.key_stride * esize / 16,
+                p.value_stride * esize / 16);
 }
 
 void gather_kv_cache(const GatherParams& p, cudaStream_t stream) {

@@ -27,6 +27,7 @@
 // max(4, S) warps, that is max(4, S) / S tiles.
 #include "common.cuh"
 #include "gemv_params.h"
+#include "pdl.cuh"
 
 namespace mini_vllm {
 namespace {
@@ -125,6 +126,9 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   const T* w_lo = w + static_cast<int64_t>(min(row0 + g, n - 1)) * k;
   const T* w_hi = w + static_cast<int64_t>(min(row0 + g + 8, n - 1)) * k;
   const T* xr = x + min(g, M - 1) * x_stride;
+  // Launched with PDL (pdl.cuh): x comes from the kernel before.
+  pdl_launch_dependents();
+  pdl_wait();
 
   // Chunks split, split + S, ... of K, kU at a time: the batch's 3 kU loads
   // come first in the program, then its 2 kU mma's, so that the loads are on
@@ -194,10 +198,9 @@ template <typename T, int M, int S>
 void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   constexpr int NW = S > 4 ? S : 4;
   const int blocks = ceil_div(ceil_div(p.n, kTileRows), NW / S);
-  gemv_kernel<T, M, S><<<blocks, 32 * NW, 0, stream>>>(
-      static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.w), p.n, p.k,
-      p.x_stride);
-  MINI_VLLM_CHECK_LAUNCH("gemv");
+  launch_kernel(gemv_kernel<T, M, S>, dim3(blocks), dim3(32 * NW), 0, stream, "gemv",
+                static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.w),
+                p.n, p.k, p.x_stride);
 }
 
 template <typename T, int S>

@@ -40,9 +40,13 @@ void register_layer_ops(py::module_& m) {
       [](std::uintptr_t qkv, std::uintptr_t q_weight, std::uintptr_t k_weight,
          std::uintptr_t cos_sin_cache, std::uintptr_t positions, int num_tokens,
          int num_q_heads, int num_kv_heads, int head_dim, int64_t token_stride, float eps,
-         int dtype, std::uintptr_t stream) {
+         int dtype, std::uintptr_t stream, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t slot_mapping) {
         QkNormRopeParams p;
         p.qkv = as_ptr<void>(qkv);
+        p.k_cache = as_ptr<void>(k_cache);
+        p.v_cache = as_ptr<void>(v_cache);
+        p.slot_mapping = as_ptr<const int64_t>(slot_mapping);
         p.q_weight = as_ptr<const void>(q_weight);
         p.k_weight = as_ptr<const void>(k_weight);
         p.cos_sin_cache = as_ptr<const float>(cos_sin_cache);
@@ -56,11 +60,13 @@ void register_layer_ops(py::module_& m) {
         p.dtype = as_dtype(dtype);
         qk_norm_rope(p, as_stream(stream));
       },
-      "Per-head RMSNorm + neox RoPE of q and k inside a fused qkv output, in place.",
+      "Per-head RMSNorm + neox RoPE of q and k inside a fused qkv output, in place; with "
+      "slot_mapping != 0, k and v are also stored in the KV cache.",
       py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin_cache"),
       py::arg("positions"), py::arg("num_tokens"), py::arg("num_q_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("eps"),
-      py::arg("dtype"), py::arg("stream"));
+      py::arg("dtype"), py::arg("stream"), py::arg("k_cache") = 0, py::arg("v_cache") = 0,
+      py::arg("slot_mapping") = 0);
 
   m.def(
       "silu_and_mul",

@@ -8,7 +8,8 @@
 //
 //   rms_norm            y = w * norm(x)
 //   fused_add_rms_norm  r = x + r;  x = w * norm(r)          (in place)
-//   qk_norm_rope        q, k = rope(w_q * norm(q)), rope(w_k * norm(k))  (in place, per head)
+//   qk_norm_rope        q, k = rope(w_q * norm(q)), rope(w_k * norm(k))  (in place, per head),
+//                       optionally also storing k and v in the KV cache
 //   silu_and_mul        y = silu(gate) * up
 //
 // They round where the torch reference rounds (after every bf16/fp16
@@ -17,6 +18,7 @@
 // --8<-- [start:rounding]
 #include "common.cuh"
 #include "layer_params.h"
+#include "pdl.cuh"
 
 namespace mini_vllm {
 namespace {
@@ -51,6 +53,8 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int num_vec = hidden / 8;
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): x comes from the kernel before
+  pdl_wait();
   float v[VPT][8];
   float sumsq = 0.f;
 #pragma unroll
@@ -97,8 +101,15 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 //   torch reference, per head:  y = round(w * round(x * inv_rms))
 //                               c, s = round(cos), round(sin)
 //   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))
-template <typename T, int D>
-__global__ void qk_norm_rope_kernel(T* __restrict__ qkv, const T* __restrict__ q_weight,
+// With CACHE, the warp of k head h also does reshape_and_cache's work for
+// that head: it stores the values it writes back into qkv in slot
+// slot_mapping[token] of the K cache (the same bits, nothing rounded again)
+// and copies v head h into the V cache; slot < 0 (a padding token) is skipped.
+template <typename T, int D, bool CACHE>
+__global__ void qk_norm_rope_kernel(T* __restrict__ qkv, T* __restrict__ k_cache,
+                                    T* __restrict__ v_cache,
+                                    const int64_t* __restrict__ slot_mapping,
+                                    const T* __restrict__ q_weight,
                                     const T* __restrict__ k_weight,
                                     const float* __restrict__ cos_sin_cache,
                                     const int64_t* __restrict__ positions, int num_tokens,
@@ -109,11 +120,20 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ qkv, const T* __restrict__ q
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   const int heads = num_q_heads + num_kv_heads;
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
+  pdl_wait();
   if (warp >= num_tokens * heads) return;
   const int token = warp / heads, head = warp % heads;
   const bool is_q = head < num_q_heads;
-  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads
+  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
   const T* w = is_q ? q_weight : k_weight;
+  // Where this head goes in each cache ([num_blocks * block_size, num_kv_heads,
+  // D] seen flat), or -1: a q head, a padding token, or no CACHE.
+  int64_t cache_off = -1;
+  if constexpr (CACHE) {
+    const int64_t slot = is_q ? -1 : slot_mapping[token];
+    if (slot >= 0) cache_off = (slot * num_kv_heads + head - num_q_heads) * D;
+  }
 
   float a[PAIRS], b[PAIRS];
   float sumsq = 0.f;
@@ -132,8 +152,19 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ qkv, const T* __restrict__ q
     const float y2 =
         round_to<T>(TypeTraits<T>::to_float(w[i + HALF]) * round_to<T>(b[p] * inv_rms));
     const float c = round_to<T>(cs[i]), s = round_to<T>(cs[i + HALF]);
-    x[i] = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
-    x[i + HALF] = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+    const T out1 = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
+    const T out2 = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+    x[i] = out1;
+    x[i + HALF] = out2;
+    if (CACHE && cache_off >= 0) {
+      k_cache[cache_off + i] = out1;
+      k_cache[cache_off + i + HALF] = out2;
+    }
+  }
+  if (CACHE && cache_off >= 0) {
+    const T* v = x + num_kv_heads * D;  // v head h: num_kv_heads heads past k head h
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) v_cache[cache_off + lane + j * 32] = v[lane + j * 32];
   }
 }
 // --8<-- [end:qk_norm_rope]
@@ -144,6 +175,8 @@ template <typename T>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int d,
                                     int64_t num_vec) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): x comes from the kernel before
+  pdl_wait();
   if (idx >= num_vec) return;
   const int vec_per_row = d / 8;
   const int64_t row = idx / vec_per_row;
@@ -167,9 +200,10 @@ void launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   const dim3 grid(p.num_tokens);
   // Enough vectors per thread to hold the whole row in registers.
 #define MINI_VLLM_RMS_LAUNCH(VPT)                                                          \
-  rms_norm_kernel<T, NT, VPT, ADD><<<grid, NT, 0, stream>>>(                               \
-      static_cast<T*>(out), static_cast<T*>(p.residual), static_cast<const T*>(p.x),       \
-      static_cast<const T*>(p.weight), p.hidden, p.x_stride, p.out_stride, p.eps)
+  launch_kernel(rms_norm_kernel<T, NT, VPT, ADD>, grid, dim3(NT), 0, stream, "rms_norm",    \
+                static_cast<T*>(out), static_cast<T*>(p.residual),                         \
+                static_cast<const T*>(p.x), static_cast<const T*>(p.weight), p.hidden,     \
+                p.x_stride, p.out_stride, p.eps)
   if (num_vec <= NT) {
     MINI_VLLM_RMS_LAUNCH(1);
   } else if (num_vec <= 2 * NT) {
@@ -182,7 +216,6 @@ void launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
     throw std::invalid_argument("rms_norm: hidden size above 8192 is not supported");
   }
 #undef MINI_VLLM_RMS_LAUNCH
-  MINI_VLLM_CHECK_LAUNCH("rms_norm");
 }
 
 template <typename T, int D>
@@ -190,11 +223,14 @@ void launch_qk_norm_rope_d(const QkNormRopeParams& p, cudaStream_t stream) {
   constexpr int NT = 128;
   const int64_t warps = static_cast<int64_t>(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
   const int64_t blocks = (warps * 32 + NT - 1) / NT;
-  qk_norm_rope_kernel<T, D><<<static_cast<unsigned>(blocks), NT, 0, stream>>>(
-      static_cast<T*>(p.qkv), static_cast<const T*>(p.q_weight),
-      static_cast<const T*>(p.k_weight), p.cos_sin_cache, p.positions, p.num_tokens,
-      p.num_q_heads, p.num_kv_heads, p.token_stride, p.eps);
-  MINI_VLLM_CHECK_LAUNCH("qk_norm_rope");
+  const auto kernel = p.slot_mapping != nullptr ? qk_norm_rope_kernel<T, D, true>
+                                                : qk_norm_rope_kernel<T, D, false>;
+  launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(NT), 0, stream,
+                "qk_norm_rope", static_cast<T*>(p.qkv), static_cast<T*>(p.k_cache),
+                static_cast<T*>(p.v_cache), p.slot_mapping,
+                static_cast<const T*>(p.q_weight), static_cast<const T*>(p.k_weight),
+                p.cos_sin_cache, p.positions, p.num_tokens, p.num_q_heads, p.num_kv_heads,
+                p.token_stride, p.eps);
 }
 
 template <typename T>
@@ -212,9 +248,9 @@ void launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
   constexpr int NT = 256;
   const int64_t num_vec = static_cast<int64_t>(p.num_tokens) * (p.d / 8);
   const int64_t blocks = (num_vec + NT - 1) / NT;
-  silu_and_mul_kernel<T><<<static_cast<unsigned>(blocks), NT, 0, stream>>>(
-      static_cast<T*>(p.out), static_cast<const T*>(p.x), p.d, num_vec);
-  MINI_VLLM_CHECK_LAUNCH("silu_and_mul");
+  launch_kernel(silu_and_mul_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(NT), 0,
+                stream, "silu_and_mul", static_cast<T*>(p.out), static_cast<const T*>(p.x),
+                p.d, num_vec);
 }
 
 }  // namespace
@@ -236,6 +272,9 @@ void rms_norm(const RmsNormParams& p, cudaStream_t stream) {
 
 void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return;
+  if (p.slot_mapping != nullptr && (p.k_cache == nullptr || p.v_cache == nullptr)) {
+    throw std::invalid_argument("qk_norm_rope: slot_mapping needs both k_cache and v_cache");
+  }
   switch (p.dtype) {
     case DType::kBFloat16: return launch_qk_norm_rope<__nv_bfloat16>(p, stream);
     case DType::kFloat16: return launch_qk_norm_rope<__half>(p, stream);

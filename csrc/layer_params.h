@@ -31,13 +31,20 @@ struct RmsNormParams {
 };
 
 // Per-head RMSNorm then neox rotary embedding of the q and k heads of a fused
-// qkv projection output, in place.
+// qkv projection output, in place. With slot_mapping set, each token's k heads
+// (as written back) and v heads are also stored in its cache slot, as
+// reshape_and_cache stores them: one launch instead of two.
 //   qkv            [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], row stride token_stride
 //   q/k_weight     [head_dim]
 //   cos_sin_cache  [max_position, head_dim] float32: cos in the first half, sin in the second
 //   positions      [num_tokens] int64
+//   k/v_cache      [num_blocks, block_size, num_kv_heads, head_dim] contiguous, qkv's dtype
+//   slot_mapping   [num_tokens] int64, block * block_size + offset; < 0: not stored
 struct QkNormRopeParams {
   void* qkv = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const int64_t* slot_mapping = nullptr;  // nullptr: q and k in place only
   const void* q_weight = nullptr;
   const void* k_weight = nullptr;
   const float* cos_sin_cache = nullptr;

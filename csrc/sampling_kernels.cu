@@ -18,6 +18,7 @@
 
 #include "common.cuh"
 #include "layer_params.h"
+#include "pdl.cuh"
 
 namespace mini_vllm {
 namespace {
@@ -84,6 +85,8 @@ __device__ __forceinline__ float load_float(const __nv_bfloat16* p) {
 template <typename T, int NT>
 __global__ void __launch_bounds__(NT) sample_partial_kernel(const SampleParams p) {
   const int row = blockIdx.x, split = blockIdx.y;
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): the logits come from before
+  pdl_wait();
   const T* x = static_cast<const T*>(p.logits) + row * p.row_stride;
   const float inv_t = p.inv_temperature[row];
   const bool greedy = inv_t == 0.0f;
@@ -140,6 +143,8 @@ __global__ void __launch_bounds__(NT) sample_partial_kernel(const SampleParams p
 // One warp per row: the maximum of the row's partials, unpacked to a token id.
 __global__ void sample_final_kernel(const SampleParams p) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  pdl_launch_dependents();  // launched with PDL: the partials come from the kernel before
+  pdl_wait();
   if (row >= p.num_rows) return;
   const int lane = threadIdx.x % 32;
   uint64_t best = 0;
@@ -161,11 +166,11 @@ template <typename T>
 void launch_sample(const SampleParams& p, cudaStream_t stream) {
   constexpr int NT = 256;
   // Rows on x (up to 2^31 - 1 of them), splits on y (at most a few hundred).
-  sample_partial_kernel<T, NT><<<dim3(p.num_rows, p.num_splits), NT, 0, stream>>>(p);
-  MINI_VLLM_CHECK_LAUNCH("sample_tokens (partial)");
+  launch_kernel(sample_partial_kernel<T, NT>, dim3(p.num_rows, p.num_splits), dim3(NT), 0,
+                stream, "sample_tokens (partial)", p);
   constexpr int kRowsPerBlock = 8;
-  sample_final_kernel<<<ceil_div(p.num_rows, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(p);
-  MINI_VLLM_CHECK_LAUNCH("sample_tokens (final)");
+  launch_kernel(sample_final_kernel, dim3(ceil_div(p.num_rows, kRowsPerBlock)),
+                dim3(32 * kRowsPerBlock), 0, stream, "sample_tokens (final)", p);
 }
 
 }  // namespace

@@ -276,10 +276,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Attend the new tokens `q [T, Hq, D]` (with `k`, `v` `[T, Hkv, D]`) -> `[T, Hq, D]`."""
+        """Attend the new tokens `q [T, Hq, D]` (with `k`, `v` `[T, Hkv, D]`) -> `[T, Hq, D]`.
+
+        `kv_written`: the caller already stored `k` and `v` in their slots (the
+        CUDA q/k-norm + RoPE kernel can do it in the same launch), so the write is skipped.
+        """
         k_cache, v_cache = kv_cache
-        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
 # --8<-- [end:backend]
 

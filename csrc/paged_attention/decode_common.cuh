@@ -13,6 +13,7 @@
 #pragma once
 
 #include "../common.cuh"
+#include "../pdl.cuh"
 
 namespace mini_vllm {
 
@@ -136,6 +137,8 @@ __device__ __forceinline__ void store_zeros(T* out) {
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) combine_splits_kernel(DecodeParams p) {
   const int head = blockIdx.x, seq = blockIdx.y;
+  pdl_launch_dependents();  // launched with PDL: wait for the partials
+  pdl_wait();
   // The same clamps as the decode kernels, so both agree on the number of splits.
   const int ctx = min(min(p.context_lens[seq], p.max_blocks_per_seq * p.block_size),
                       p.max_splits * p.partition_size);
@@ -161,9 +164,8 @@ __global__ void __launch_bounds__(HEAD_DIM) combine_splits_kernel(DecodeParams p
 template <typename T, int HEAD_DIM>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   if (p.max_splits <= 1) return;
-  combine_splits_kernel<T, HEAD_DIM>
-      <<<dim3(p.num_q_heads, p.num_seqs), HEAD_DIM, 0, stream>>>(p);
-  MINI_VLLM_CHECK_LAUNCH("combine_splits_kernel");
+  launch_kernel(combine_splits_kernel<T, HEAD_DIM>, dim3(p.num_q_heads, p.num_seqs),
+                dim3(HEAD_DIM), 0, stream, "combine_splits_kernel", p);
 }
 
 }  // namespace mini_vllm

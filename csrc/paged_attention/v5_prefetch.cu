@@ -111,6 +111,9 @@ __global__ void __launch_bounds__(kV5Threads) paged_attention_v5_kernel(DecodePa
   const int kv_head = q_head0 / (p.num_q_heads / p.num_kv_heads);
   const int lane = threadIdx.x / TPR, r = threadIdx.x % TPR;
   const int start = split * p.partition_size;
+  // Launched with PDL: everything below reads what earlier kernels wrote.
+  pdl_launch_dependents();
+  pdl_wait();
 
   // Prologue: the three independent reads go out together.
   const int first_block = start >> log2_bs;
@@ -223,7 +226,8 @@ struct LaunchV5 {
       cfg.numAttrs = 1;
       check_cuda(cudaLaunchKernelEx(&cfg, kernel, p, log2_bs), "cudaLaunchKernelEx");
     } else {
-      kernel<<<grid, kV5Threads, smem, stream>>>(p, log2_bs);
+      launch_kernel(kernel, grid, dim3(kV5Threads), smem, stream, "paged_attention_v5_kernel",
+                    p, log2_bs);
     }
     MINI_VLLM_CHECK_LAUNCH("paged_attention_v5_kernel");
     launch_combine<T, HEAD_DIM>(p, stream);

@@ -246,11 +246,17 @@ class Qwen3Attention(nn.Module):
         model's `(cos_sin_cache, positions)`."""
         t = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        kv_written = False
         if self.use_kernels:  # norms + RoPE of every q and k head: one launch, in place
             cos_sin_cache, positions = rope
+            # When the backend would write the cache with reshape_and_cache, this
+            # launch stores k and v there as well: the same bytes, one launch fewer.
+            kv_written = getattr(self.attn.backend, "write_impl", None) == "kernel"
+            cache_write = ({"kv_cache": kv_cache, "slot_mapping": attn_metadata.slot_mapping}
+                           if kv_written else {})
             layer_ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos_sin_cache,
                                    positions, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, self.q_norm.eps)
+                                   self.head_dim, self.q_norm.eps, **cache_write)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -260,7 +266,7 @@ class Qwen3Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             cos, sin = rope
             q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        o = self.attn(q, k, v, kv_cache, attn_metadata)  # [T, Hq, D]
+        o = self.attn(q, k, v, kv_cache, attn_metadata, kv_written=kv_written)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 # --8<-- [end:attention]
 

@@ -10,11 +10,21 @@ Public API:
     reshape_and_cache        write new tokens' K/V into their cache slots
     prefill_attention        prompts (and prompt chunks after a cached prefix)
     gather_kv_cache          paged K/V -> contiguous rows
-    gemv                     y = x @ W.T for 1 to 8 rows of x (decode's linear layers)
+    gemv                     y = x @ W.T for 1 to 8 rows of x (decode's linear layers),
+                             or silu(gate) * up @ W.T (the MLP's down projection)
     sample_tokens            one token per row of softmax(logits / T), in one pass
+
+Every kernel of a decode step is launched with programmatic dependent launch
+on sm_90+ (csrc/pdl.cuh; `set_programmatic_launch(False)` turns it off).
 """
 
-from mini_vllm.ops._extension import BUILD_COMMAND, is_available, unavailable_reason
+from mini_vllm.ops._extension import (
+    BUILD_COMMAND,
+    is_available,
+    programmatic_launch,
+    set_programmatic_launch,
+    unavailable_reason,
+)
 from mini_vllm.ops.cache_ops import gather_kv_cache, reshape_and_cache
 from mini_vllm.ops.gemv import gemv
 from mini_vllm.ops.paged_attention import (
@@ -38,7 +48,9 @@ __all__ = [
     "paged_decode_attention",
     "prefill_attention",
     "prefill_backend",
+    "programmatic_launch",
     "reshape_and_cache",
     "sample_tokens",
+    "set_programmatic_launch",
     "unavailable_reason",
 ]

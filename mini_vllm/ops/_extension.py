@@ -60,3 +60,18 @@ def dtype_code(dtype: torch.dtype) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (asked once per device)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def set_programmatic_launch(enabled: bool) -> None:
+    """Turn programmatic dependent launch on or off for the kernels that use it.
+
+    On sm_90 and newer those kernels may start while the kernel before them
+    is finishing, and wait on the device for its results (csrc/pdl.cuh); it
+    is on by default. A CUDA graph keeps the setting it was captured with.
+    """
+    extension().set_programmatic_launch(bool(enabled))
+
+
+def programmatic_launch() -> bool:
+    """Whether programmatic dependent launch is on (it applies on sm_90+ only)."""
+    return bool(extension().programmatic_launch())

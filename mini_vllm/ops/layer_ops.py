@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.ops._checks import check_same_device, check_tensor
+from mini_vllm.ops._checks import check_kv_cache, check_same_device, check_tensor
 from mini_vllm.ops._extension import dtype_code, extension
 
 LAYER_DTYPES = (torch.float16, torch.bfloat16)
@@ -95,14 +95,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_q_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float) -> None:
+                 num_kv_heads: int, head_dim: int, eps: float, *,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 slot_mapping: torch.Tensor | None = None) -> None:
     """The CUDA kernel of `qk_norm_rope_ref`, in place on the q and k parts of `qkv`.
+
+    With `kv_cache` and `slot_mapping`, the same launch also stores each
+    token's k heads (as written back into `qkv`) and v heads in cache slot
+    `slot_mapping[t]`, skipping slots < 0: the caches end up bit for bit as
+    `ops.reshape_and_cache` would leave them, one kernel launch fewer.
 
     Args:
         qkv: [T, (Hq + 2 * Hkv) * D] output of the fused projection (q, k, v).
         q_weight, k_weight: [D].
         cos_sin_cache: [max_position, D] float32, cos then sin.
         positions: [T] int64.
+        kv_cache: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D],
+            contiguous, qkv's dtype; or None.
+        slot_mapping: [T] int64, `block * block_size + offset` (-1: padding,
+            not stored); given exactly when `kv_cache` is.
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device.
@@ -121,14 +132,31 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         raise ValueError("q_weight and k_weight must have head_dim elements")
     if cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
-    if positions.shape[0] != qkv.shape[0]:
-        raise ValueError(f"positions has {positions.shape[0]} entries for {qkv.shape[0]} tokens")
-    device = check_same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight,
-                               cos_sin_cache=cos_sin_cache, positions=positions)
+    num_tokens = qkv.shape[0]
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
+    tensors = {"qkv": qkv, "q_weight": q_weight, "k_weight": k_weight,
+               "cos_sin_cache": cos_sin_cache, "positions": positions}
+    cache_ptrs = (0, 0, 0)  # k_cache, v_cache, slot_mapping: none, q and k in place only
+    if (kv_cache is None) != (slot_mapping is None):
+        raise ValueError("kv_cache and slot_mapping go together: pass both or neither")
+    if kv_cache is not None and slot_mapping is not None:
+        k_cache, v_cache = kv_cache
+        _, _, cache_heads, cache_dim = check_kv_cache(k_cache, v_cache, (qkv.dtype,))
+        if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+            raise ValueError(f"k_cache: {cache_heads} heads of {cache_dim} for {num_kv_heads} "
+                             f"KV heads of {head_dim}")
+        check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
+        if slot_mapping.shape[0] != num_tokens:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                             f"{num_tokens} tokens")
+        tensors.update(k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+        cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
+    device = check_same_device(**tensors)
     extension().qk_norm_rope(
         qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
-        positions.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim,
-        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device))
+        positions.data_ptr(), num_tokens, num_q_heads, num_kv_heads, head_dim,
+        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device), *cache_ptrs)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Phase 9: the fused layer kernels (norms, q/k-norm + RoPE, SiLU·mul) against their references."""
+"""Phase 9: the fused layer kernels (norms, q/k-norm + RoPE, SiLU·mul) against their references,
+and q/k-norm + RoPE with the KV-cache write fused in against the two-kernel path."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from mini_vllm import ops
+from mini_vllm.attention import Attention, AttentionMetadata, TorchAttentionBackend
 from mini_vllm.config import ModelConfig
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
 from mini_vllm.ops import layer_ops
@@ -47,6 +49,107 @@ def test_wrappers_reject_bad_arguments():
                                torch.ones(32, dtype=torch.bfloat16),
                                torch.ones(32, dtype=torch.bfloat16), torch.randn(8, 32),
                                torch.zeros(2, dtype=torch.int64), 2, 1, 32, 1e-6)
+
+
+def test_qk_norm_rope_rejects_bad_cache_arguments():
+    bf16 = {"dtype": torch.bfloat16}
+    t, hq, hkv, d = 3, 4, 2, 64
+    args = (torch.randn(t, (hq + 2 * hkv) * d, **bf16), torch.ones(d, **bf16),
+            torch.ones(d, **bf16), torch.randn(16, d), torch.zeros(t, dtype=torch.int64),
+            hq, hkv, d, 1e-6)
+    cache = torch.zeros(4, 16, hkv, d, **bf16)
+    slots = torch.arange(t)
+    with pytest.raises(ValueError, match="go together"):
+        layer_ops.qk_norm_rope(*args, kv_cache=(cache, cache.clone()))
+    with pytest.raises(ValueError, match="go together"):
+        layer_ops.qk_norm_rope(*args, slot_mapping=slots)
+    with pytest.raises(ValueError, match="k_cache: 4 heads of 32"):
+        wrong = torch.zeros(4, 16, 4, 32, **bf16)
+        layer_ops.qk_norm_rope(*args, kv_cache=(wrong, wrong.clone()), slot_mapping=slots)
+    with pytest.raises(ValueError, match="k_cache: dtype float16"):
+        layer_ops.qk_norm_rope(*args, kv_cache=(cache.half(), cache.half()), slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        layer_ops.qk_norm_rope(*args, kv_cache=(cache, cache.clone()), slot_mapping=slots[:2])
+    with pytest.raises(ValueError, match="CUDA device"):  # the arguments are right
+        layer_ops.qk_norm_rope(*args, kv_cache=(cache, cache.clone()), slot_mapping=slots)
+
+
+def test_attention_skips_the_write_when_the_kv_is_written():
+    """`kv_written=True`: the caller stored K/V already; the backend only attends."""
+    writes = []
+
+    class SpyBackend(TorchAttentionBackend):
+        def write_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+            writes.append(slot_mapping)
+            super().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    t, h, d, block = 3, 2, 8, 4
+    attn = Attention(h, h, d, d**-0.5, SpyBackend())
+    q, k, v = (torch.randn(t, h, d) for _ in range(3))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(block, block + t), query_start_loc=torch.tensor([0, t]),
+        context_lens=torch.tensor([t]), block_tables=torch.tensor([[1]]), max_query_len=t,
+        max_context_len=t, query_start_loc_cpu=[0, t], context_lens_cpu=[t])
+    k_cache, v_cache = torch.zeros(2, block, h, d), torch.zeros(2, block, h, d)
+    out = attn(q, k, v, (k_cache, v_cache), meta)
+    assert len(writes) == 1
+    fresh = (torch.zeros_like(k_cache), torch.zeros_like(v_cache))
+    fresh[0][1, :t], fresh[1][1, :t] = k, v  # as the fused kernel would have stored them
+    torch.testing.assert_close(attn(q, k, v, fresh, meta, kv_written=True), out)
+    assert len(writes) == 1
+
+
+def test_attention_layer_hands_the_cache_write_to_qk_norm_rope(tiny_model_dir, monkeypatch):
+    """The wiring, on the CPU: with the kernels on and a backend that writes with the
+    kernel, `Qwen3Attention` gives `qk_norm_rope` the caches and the slots and the backend
+    writes nothing; output and caches are those of the reference layer. The kernel is
+    stood in for by its torch reference plus `write_kv_cache`."""
+    from mini_vllm.attention import write_kv_cache
+    from mini_vllm.models.qwen3 import Qwen3Attention
+
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    fused_writes, backend_writes = [], []
+
+    def qk_norm_rope_torch(qkv, q_weight, k_weight, cos_sin_cache, positions, num_q_heads,
+                           num_kv_heads, head_dim, eps, *, kv_cache=None, slot_mapping=None):
+        t = qkv.shape[0]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q_new, k_new = layer_ops.qk_norm_rope_ref(q.reshape(t, hq, d), k.reshape(t, hkv, d),
+                                                  q_weight, k_weight, cos_sin_cache,
+                                                  positions, eps)
+        q.copy_(q_new.reshape(t, -1))
+        k.copy_(k_new.reshape(t, -1))
+        if kv_cache is not None:
+            fused_writes.append(slot_mapping)
+            write_kv_cache(k_new, v.reshape(t, hkv, d), *kv_cache, slot_mapping)
+
+    class KernelWriteBackend(TorchAttentionBackend):
+        write_impl = "kernel"  # what CudaAttentionBackend says when reshape_and_cache runs
+
+        def write_kv_cache(self, *args):
+            backend_writes.append(args)
+            super().write_kv_cache(*args)
+
+    monkeypatch.setattr(layer_ops, "qk_norm_rope", qk_norm_rope_torch)
+    fused = Qwen3Attention(config, KernelWriteBackend(), dtype=torch.float32, use_kernels=True)
+    ref = Qwen3Attention(config, dtype=torch.float32)
+    for p in fused.parameters():
+        p.normal_()
+    ref.load_state_dict(fused.state_dict())
+    t, block = 5, 8
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(block, block + t), query_start_loc=torch.tensor([0, t]),
+        context_lens=torch.tensor([t]), block_tables=torch.tensor([[1]]), max_query_len=t,
+        max_context_len=t, query_start_loc_cpu=[0, t], context_lens_cpu=[t])
+    rotary = RotaryEmbedding(d, 64, config.rope_theta)
+    positions, x = torch.arange(t), torch.randn(t, config.hidden_size)
+    caches = [(torch.zeros(2, block, hkv, d), torch.zeros(2, block, hkv, d)) for _ in range(2)]
+    out = fused((rotary.cos_sin_cache, positions), x, caches[0], meta)
+    assert len(fused_writes) == 1 and not backend_writes
+    want = ref(rotary(positions, torch.float32), x, caches[1], meta)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(caches[0], caches[1])
 
 
 def test_model_uses_kernels_only_where_they_run(tiny_model_dir):
@@ -150,6 +253,171 @@ def test_model_with_kernels_matches_model_without(tiny_model_dir):
         with torch.no_grad():
             logits.append(m.compute_logits(m(ids, pos, cache, meta)))
     torch.testing.assert_close(logits[1], logits[0], rtol=0.05, atol=0.1)
+
+
+# --- q/k-norm + RoPE with the KV-cache write fused in ------------------------------------
+
+def _fused_vs_two_kernels(dtype: torch.dtype, num_tokens: int, hq: int, hkv: int, d: int,
+                          block_size: int, seed: int = 0) -> None:
+    """The fused launch against qk_norm_rope then reshape_and_cache on the same inputs:
+    the same q and k in qkv, the same caches, bit for bit. Slots are scattered over
+    the cache, about one token in eight is padding (-1); the caches start out random
+    ("poisoned") and the slots nobody writes must keep those values."""
+    dev = "cuda"
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    num_blocks = (2 * num_tokens + block_size - 1) // block_size + 1
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.125] = -1
+    slots = slots.to(dev)
+    rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(dev)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dev, dtype)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+    kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+    poison = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dev, dtype)
+
+    qkv_two, k_two, v_two = qkv.clone(), poison[0].clone(), poison[1].clone()
+    layer_ops.qk_norm_rope(qkv_two, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6)
+    _, k_new, v_new = qkv_two.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ops.reshape_and_cache(k_new.reshape(num_tokens, hkv, d), v_new.reshape(num_tokens, hkv, d),
+                          k_two, v_two, slots)
+
+    qkv_one, k_one, v_one = qkv.clone(), poison[0].clone(), poison[1].clone()
+    layer_ops.qk_norm_rope(qkv_one, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
+                           kv_cache=(k_one, v_one), slot_mapping=slots)
+    torch.cuda.synchronize()
+    assert torch.equal(qkv_one, qkv_two)
+    assert torch.equal(k_one, k_two)
+    assert torch.equal(v_one, v_two)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=dev)
+    untouched[slots[slots >= 0]] = False
+    for cache, before in ((k_one, poison[0]), (v_one, poison[1])):
+        assert torch.equal(cache.view(-1, hkv, d)[untouched], before.view(-1, hkv, d)[untouched])
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (8, 2, 64)])
+def test_qk_norm_rope_writes_the_cache_like_reshape_and_cache(dtype, block_size, num_tokens,
+                                                              hq, hkv, d):
+    _fused_vs_two_kernels(dtype, num_tokens, hq, hkv, d, block_size, seed=num_tokens)
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_qk_norm_rope_with_cache_write_in_cuda_graph():
+    """Captured once, replayed with new inputs and new slots (static buffers, as the
+    engine's decode graphs do): every replay leaves what the two kernels leave eagerly."""
+    dev, dtype, t, hq, hkv, d, block = "cuda", torch.bfloat16, 8, 16, 8, 128, 16
+    rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
+    qw = (1 + 0.1 * torch.randn(d, device=dev)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, device=dev)).to(dtype)
+    qkv_in = torch.empty(t, (hq + 2 * hkv) * d, device=dev, dtype=dtype)  # static inputs
+    qkv = torch.empty_like(qkv_in)
+    positions = torch.zeros(t, dtype=torch.int64, device=dev)
+    slots = torch.full((t,), -1, dtype=torch.int64, device=dev)
+    k_cache = torch.zeros(8, block, hkv, d, device=dev, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+
+    def step() -> None:
+        qkv.copy_(qkv_in)  # the projection's output, in the model
+        layer_ops.qk_norm_rope(qkv, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
+                               kv_cache=(k_cache, v_cache), slot_mapping=slots)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch advises
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(3):
+        qkv_in.copy_(torch.randn_like(qkv_in))
+        positions.copy_(torch.randint(0, 4096, (t,), device=dev))
+        new_slots = torch.randperm(8 * block, device=dev)[:t]
+        new_slots[i] = -1  # a padding row
+        slots.copy_(new_slots)
+        k_cache.normal_()
+        v_cache.normal_()
+        k_ref, v_ref, qkv_ref = k_cache.clone(), v_cache.clone(), qkv_in.clone()
+        graph.replay()
+        layer_ops.qk_norm_rope(qkv_ref, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6)
+        _, k_new, v_new = qkv_ref.split([hq * d, hkv * d, hkv * d], dim=-1)
+        ops.reshape_and_cache(k_new.reshape(t, hkv, d), v_new.reshape(t, hkv, d), k_ref, v_ref,
+                              slots)
+        torch.cuda.synchronize()
+        assert torch.equal(qkv, qkv_ref)
+        assert torch.equal(k_cache, k_ref)
+        assert torch.equal(v_cache, v_ref)
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_model_cache_write_fusion_changes_no_bit(tiny_model_dir, monkeypatch):
+    """A bf16 model on the CUDA attention backend, with the KV write in q/k-norm + RoPE
+    and without (reshape_and_cache): a 12-token prefill and decode steps of one token
+    give the same logits and the same caches, bit for bit."""
+    from mini_vllm.checkpoint import make_model
+    from mini_vllm.cuda_backend import CudaAttentionBackend
+    from mini_vllm.models.loader import load_weights
+
+    path = make_model(tiny_model_dir.parent / "fusions-64", preset="tiny",
+                      overrides={"head_dim": 64})
+    config = ModelConfig.from_pretrained(path)
+    dev, dtype, block, prompt_len, steps = "cuda", torch.bfloat16, 16, 12, 4
+    backend = CudaAttentionBackend(dtype, config.head_dim, dev, use_kernels=True)
+    model = Qwen3ForCausalLM(config, backend, device=dev, dtype=dtype, use_kernels=True)
+    load_weights(model, path)
+    writes: list[int] = []
+    write_kv_cache = backend.write_kv_cache
+
+    def spy_write(*args: torch.Tensor) -> None:
+        writes.append(args[0].shape[0])
+        write_kv_cache(*args)
+
+    monkeypatch.setattr(backend, "write_kv_cache", spy_write)
+
+    def meta(start: int, count: int) -> AttentionMetadata:
+        # One sequence in blocks 1 and 2: slots 16 .. 47.
+        return AttentionMetadata(
+            slot_mapping=torch.arange(block + start, block + start + count, device=dev),
+            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([start + count], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=dev),
+            max_query_len=count, max_context_len=start + count,
+            query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+
+    def generate() -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        kv = [(torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
+                           dtype=dtype),
+               torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
+                           dtype=dtype)) for _ in range(config.num_hidden_layers)]
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        ids = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).to(dev)
+        logits, start = [], 0
+        with torch.no_grad():
+            for _ in range(steps + 1):
+                h = model(ids, torch.arange(start, start + len(ids), device=dev), kv,
+                          meta(start, len(ids)))
+                logits.append(model.compute_logits(h))
+                start += len(ids)
+                ids = logits[-1][-1:].argmax(dim=-1)
+        return logits, kv
+
+    fused_logits, fused_kv = generate()
+    assert not writes  # every layer's K/V went in with q/k-norm + RoPE
+    monkeypatch.setattr(backend, "write_impl", "torch")  # no fused write: attention writes
+    logits, kv = generate()
+    assert writes == [prompt_len] * config.num_hidden_layers + [1] * (
+        steps * config.num_hidden_layers)
+    for got, want in zip(fused_logits, logits):
+        assert torch.equal(got, want)
+    for (k_got, v_got), (k_want, v_want) in zip(fused_kv, kv):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
 
 
 # --- fused Gumbel-max sampling (ops.sample_tokens) ---------------------------------------
