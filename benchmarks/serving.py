@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=int, default=4096)
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--enforce-eager", action="store_true")
+    eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                     help="the engine core in its own process (default: the server's, "
+                          "on with CUDA) or on a thread of the server")
     eng.add_argument("--load-format", default=None, choices=("auto", "dummy"))
     load = p.add_argument_group("load")
     load.add_argument("--request-rates", nargs="+", default=["1", "4", "16", "inf"],
@@ -421,6 +424,8 @@ def _engine_flags(ns: argparse.Namespace) -> list[str]:
         flags += ["--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
     if ns.enforce_eager:
         flags.append("--enforce-eager")
+    if ns.engine_process is not None:
+        flags.append("--engine-process" if ns.engine_process else "--no-engine-process")
     return flags
 
 

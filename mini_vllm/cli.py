@@ -58,10 +58,14 @@ _ENGINE_ARG_HELP: dict[str, str] = {
     "served_model_name": "the model name clients send as `model` (default: --model)",
     "load_format": "auto reads the checkpoint's weights; dummy fills them with random values "
                    "(for benchmarks of a directory without weights)",
+    "engine_process": "run the engine's step loop in a process of its own, apart from the "
+                      "HTTP server (default: on with a CUDA GPU, off on the CPU)",
 }
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _CHOICES = {"dtype": _DTYPES, "load_format": ("auto", "dummy")}
+# Engine arguments that only `serve` uses (the other commands drive an `LLMEngine` directly).
+_SERVER_ONLY = ("served_model_name", "engine_process")
 
 
 class UsageError(Exception):
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with the model in the terminal",
                           description="Chat in the terminal. /reset starts over, /exit or "
                                       "Ctrl-D quits; Ctrl-C stops a reply.")
-    add_engine_args(chat, skip=("served_model_name",))
+    add_engine_args(chat, skip=_SERVER_ONLY)
     _add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="a system message to start with")
     chat.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=True,
@@ -126,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="print one completion of a prompt",
                          description="Complete one prompt and print the text as it comes.")
-    add_engine_args(gen, skip=("served_model_name",))
+    add_engine_args(gen, skip=_SERVER_ONLY)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     _add_sampling_args(gen, max_tokens=64)
 
@@ -197,7 +201,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     print(f"mini-vllm {mini_vllm.__version__}\n"
           f"  model    {config.model}\n"
           f"  dtype    {str(config.dtype).removeprefix('torch.')}   device {config.device}   "
-          f"max_model_len {config.scheduler_config.max_model_len}\n"
+          f"max_model_len {config.scheduler_config.max_model_len}   "
+          f"engine {'process' if config.engine_process else 'thread'}\n"
           f"  serving  {model_name!r} at {base}/v1 (OpenAI API; /health /metrics /stats)\n"
           f"Try:\n"
           f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"

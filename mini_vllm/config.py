@@ -212,6 +212,7 @@ class EngineConfig:
     served_model_name: str | None = None
     load_format: str = "auto"
     async_scheduling: bool = False
+    engine_process: bool = False
 
     @property
     def tokenizer_path(self) -> str:
@@ -230,6 +231,9 @@ class EngineArgs:
     checkpoint directory that holds only `config.json` and the tokenizer).
     `async_scheduling` `None` means on for CUDA, off for the CPU: it plans the
     next step while the device still runs the current one (phase 9).
+    `engine_process` `None` means the same: for CUDA, `AsyncLLM` (the server)
+    runs the engine's step loop in a process of its own, on the CPU in a thread
+    of the server's process (phase 9).
     """
 
     model: str | None = None
@@ -251,6 +255,7 @@ class EngineArgs:
     served_model_name: str | None = None
     load_format: str = "auto"
     async_scheduling: bool | None = None
+    engine_process: bool | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -269,6 +274,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported")
+        if self.engine_process is not None and not isinstance(self.engine_process, bool):
+            raise ValueError(
+                f"engine_process must be True, False or None, got {self.engine_process!r}")
         model_dir = str(resolve_model_dir(self.model))
         model_config = ModelConfig.from_pretrained(model_dir)
 
@@ -321,6 +329,8 @@ class EngineArgs:
             load_format=self.load_format,
             async_scheduling=(device.type == "cuda" if self.async_scheduling is None
                               else self.async_scheduling),
+            engine_process=(device.type == "cuda" if self.engine_process is None
+                            else self.engine_process),
         )
 
 

@@ -15,6 +15,11 @@ The thread blocks on the command queue when it has nothing to do and wakes
 when a command arrives: no polling, no sleeps. Outputs cross back into the
 caller's event loop with `call_soon_threadsafe`, the one thread-safe way into
 a running loop.
+
+With `engine_process` (the default on a GPU) the same loop runs in a process
+of its own instead (`core_process.py`, phase 9): an input thread forwards the
+commands to it, and an output thread hands each step's outputs to `_dispatch`,
+just as the engine thread does.
 """
 
 from __future__ import annotations
@@ -24,19 +29,23 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mini_vllm.config import EngineArgs, EngineConfig
-from mini_vllm.engine.llm_engine import LLMEngine, ProcessedRequest
+from mini_vllm.engine.llm_engine import InputProcessor, LLMEngine, ProcessedRequest
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mini_vllm.engine.core_process import EngineCoreProcess
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped: no request can be served any more."""
+    """The engine stopped: no request can be served any more."""
 
 
 class RequestFailedError(RuntimeError):
@@ -67,7 +76,7 @@ def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None
 @dataclass
 class _Add:
     request: ProcessedRequest
-    stream: _Stream
+    stream: _Stream | None  # None on its way to an engine process: streams stay here
 
 
 @dataclass
@@ -83,22 +92,51 @@ class _Shutdown:
 class AsyncLLM:
     """An `LLMEngine` driven by a background thread, with one async stream per request.
 
+    With `engine_config.engine_process` the engine runs in a child process
+    instead, and this process keeps the tokenizer, validation and the streams.
+
     Args:
         engine_config: the resolved engine configuration.
+        engine_cls: the engine class to build. In process mode it is pickled by
+            name into the child, so it must be a module-level class.
+
+    Attributes:
+        engine: the `LLMEngine` (thread mode); None in process mode.
+        core_process: the engine process's handle (process mode); else None.
+        processor: tokenizes and validates requests, in the caller's thread.
     """
 
     # --8<-- [start:init]
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine = LLMEngine(engine_config)
+    def __init__(self, engine_config: EngineConfig,
+                 engine_cls: type[LLMEngine] = LLMEngine) -> None:
         self.engine_config = engine_config
-        self.tokenizer = self.engine.tokenizer
-        self.generation_config = self.engine.generation_config
         self._commands: queue.Queue = queue.Queue()
-        # Only the engine thread touches `_streams` and the engine itself.
+        # The live requests' streams. Only the engine thread touches them and the
+        # engine in thread mode; in process mode two threads share them: the lock.
         self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
         self.dead_error: BaseException | None = None
         self._shutting_down = False
-        self._thread = threading.Thread(target=self._run, name="mini-vllm-engine", daemon=True)
+        self.engine: LLMEngine | None = None
+        self.core_process: EngineCoreProcess | None = None
+        if engine_config.engine_process:
+            from mini_vllm.engine.core_process import EngineCoreProcess  # (it imports this module)
+
+            self.processor = InputProcessor(engine_config)  # validation stays in this process
+            self.core_process = EngineCoreProcess(engine_config, engine_cls)
+            self._stats = self.core_process.stats
+            self._input_thread = threading.Thread(target=self._forward_commands,
+                                                  name="mini-vllm-input", daemon=True)
+            self._input_thread.start()
+            self._thread = threading.Thread(target=self._receive_outputs,
+                                            name="mini-vllm-output", daemon=True)
+        else:
+            self.engine = engine_cls(engine_config)
+            self.processor = self.engine.input_processor
+            self._thread = threading.Thread(target=self._run, name="mini-vllm-engine",
+                                            daemon=True)
+        self.tokenizer = self.processor.tokenizer
+        self.generation_config = self.processor.generation_config
         self._thread.start()
     # --8<-- [end:init]
 
@@ -110,7 +148,7 @@ class AsyncLLM:
     # --8<-- [start:health]
     @property
     def errored(self) -> bool:
-        """True once the engine thread has died."""
+        """True once the engine thread (or process) has died."""
         return self.dead_error is not None
 
     @property
@@ -120,8 +158,14 @@ class AsyncLLM:
     # --8<-- [end:health]
 
     def get_stats(self) -> dict:
-        """Engine statistics (a snapshot: counters are read without a lock)."""
-        return self.engine.get_stats()
+        """Engine statistics (a snapshot: counters are read without a lock).
+
+        In process mode, the engine process's latest report: at most
+        `STATS_INTERVAL_S` old while it steps, current once it is idle.
+        """
+        if self.engine is not None:
+            return self.engine.get_stats()
+        return dict(self._stats)
 
     # ---- the public API -----------------------------------------------------------
     # --8<-- [start:generate]
@@ -142,7 +186,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
         request_id = request_id or uuid.uuid4().hex
-        processed = self.engine.process_inputs(request_id, prompt, sampling_params, priority)
+        processed = self.processor.process_inputs(request_id, prompt, sampling_params, priority)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(processed, stream))
         if not self.is_running:  # the thread may have stopped before taking the command
@@ -159,8 +203,13 @@ class AsyncLLM:
                         break
                     item.add(nxt)
                 if isinstance(item, BaseException):
+                    # Refused, failed or the engine died: nothing of ours is left
+                    # to abort (and a refused id may be another request's).
+                    finished = True
                     raise item
                 finished = item.finished
+                # An engine process does not send the prompt back: it is ours.
+                item.prompt, item.prompt_token_ids = processed.prompt, processed.prompt_token_ids
                 yield item
         finally:
             if not finished:  # the caller went away (disconnect, cancel, error)
@@ -173,72 +222,113 @@ class AsyncLLM:
         self._commands.put(_Abort([request_id]))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread; requests in flight end with finish_reason "abort"."""
+        """Stop the engine; requests in flight end with finish_reason "abort"."""
         if self._shutting_down:
             return
         self._shutting_down = True
         self._commands.put(_Shutdown())
+        if self.core_process is not None:
+            self.core_process.join(timeout)  # terminated if it does not stop in time
+            self._input_thread.join(timeout)
         self._thread.join(timeout)
+        if self.core_process is not None:
+            self.core_process.close()
     # --8<-- [end:abort]
 
     # ---- the engine thread --------------------------------------------------------
     # --8<-- [start:run]
+    @staticmethod
+    def run_engine_loop(
+        engine: LLMEngine,
+        next_command: Callable[[bool], _Add | _Abort | _Shutdown | None],
+        apply: Callable[[_Add | _Abort], None],
+        emit: Callable[[list[RequestOutput]], None],
+    ) -> None:
+        """The engine loop: apply commands, step while there is work, block when idle.
+
+        The engine thread runs it, and so does an engine process
+        (`core_process.py`), each with its own way to take commands
+        (`next_command(block)`: None when none has come and `block` is False)
+        and to hand outputs on (`emit`). It returns on `_Shutdown`.
+        """
+        while True:
+            # Block only when idle: with work in hand, take what has arrived and step.
+            block = not engine.has_unfinished_requests()
+            while (cmd := next_command(block)) is not None:
+                if isinstance(cmd, _Shutdown):
+                    return
+                apply(cmd)
+                block = False
+            if engine.has_unfinished_requests():
+                emit(engine.step())
+
     def _run(self) -> None:
-        """The engine loop: apply commands, step while there is work, block when idle."""
+        """The engine thread."""
         try:
-            while True:
-                # Block only when idle: with work in hand, take what has arrived and step.
-                block = not self.engine.has_unfinished_requests()
-                try:
-                    while True:
-                        cmd = self._commands.get(block=block)
-                        block = False
-                        if isinstance(cmd, _Shutdown):
-                            self._abort_all("the engine is shutting down")
-                            self._fail_all(EngineDeadError(self._dead_message()))
-                            return
-                        self._apply(cmd)
-                except queue.Empty:
-                    pass
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+            self.run_engine_loop(self.engine, self._next_command, self._apply, self._dispatch)
+            self._abort_all("the engine is shutting down")
+            self._fail_all(EngineDeadError(self._dead_message()))
         except BaseException as e:
             logger.exception("the engine thread died")
             self.dead_error = e
             self._fail_all(EngineDeadError(self._dead_message()))
+
+    def _next_command(self, block: bool) -> _Add | _Abort | _Shutdown | None:
+        try:
+            return self._commands.get(block=block)
+        except queue.Empty:
+            return None
     # --8<-- [end:run]
 
     # --8<-- [start:dispatch]
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Add):
-            rid = cmd.request.request_id
-            if rid in self._streams:
-                cmd.stream.put(ValueError(f"request id {rid!r} is already in use"))
+            if not self._register(cmd.request.request_id, cmd.stream):
                 return
             try:
                 self.engine.add_processed_request(cmd.request)
-            except ValueError as e:
-                cmd.stream.put(e)
-                return
-            self._streams[rid] = cmd.stream
+            except ValueError as e:  # e.g. it can never fit the KV cache
+                self._refuse(cmd.request.request_id, e)
         else:
-            live = [rid for rid in cmd.request_ids if rid in self._streams]
+            with self._lock:
+                live = [rid for rid in cmd.request_ids if rid in self._streams]
             if live:
                 self._dispatch(self.engine.abort_request(live))
+
+    def _register(self, request_id: str, stream: _Stream) -> bool:
+        """Give a new request its stream; or refuse it (through the stream) and return False."""
+        with self._lock:
+            if self.dead_error is not None:
+                error: Exception = EngineDeadError(self._dead_message())
+            elif request_id in self._streams:
+                error = ValueError(f"request id {request_id!r} is already in use")
+            else:
+                self._streams[request_id] = stream
+                return True
+        stream.put(error)
+        return False
+
+    def _refuse(self, request_id: str, error: Exception) -> None:
+        """End a registered request that the engine could not add, with `error`."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # One hand-off per event loop per step, not one per request: each
         # call_soon_threadsafe wakes the loop (a write to its self-pipe) and
         # makes the two threads trade the GIL.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, object]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            item = RequestFailedError(out.error) if out.error is not None else out
-            batches.setdefault(stream.loop, []).append((stream, item))
-            if out.finished or out.error is not None:
-                del self._streams[out.request_id]
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                item = RequestFailedError(out.error) if out.error is not None else out
+                batches.setdefault(stream.loop, []).append((stream, item))
+                if out.finished or out.error is not None:
+                    del self._streams[out.request_id]
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -248,13 +338,20 @@ class AsyncLLM:
 
     # --8<-- [start:fail_all]
     def _abort_all(self, reason: str) -> None:
-        self._dispatch(self.engine.abort_request(list(self._streams)))
+        self._dispatch(self.engine.abort_request(self._live_request_ids()))
         logger.info("%s", reason)
 
+    def _live_request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._streams)
+
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
             stream.put(error)
-        self._streams.clear()
+        if self.core_process is not None:
+            return  # the input thread still reads the commands: it refuses each add
         # Commands still queued would otherwise wait forever.
         while True:
             try:
@@ -264,6 +361,64 @@ class AsyncLLM:
             if isinstance(cmd, _Add):
                 cmd.stream.put(error)
     # --8<-- [end:fail_all]
+
+    # ---- process mode: the input and output threads (phase 9) ----------------------
+    # --8<-- [start:front]
+    def _forward_commands(self) -> None:
+        """Input thread: register each new request's stream, send every command on.
+
+        A thread of its own, so that a full pipe (the engine process in the
+        middle of a long step) never blocks an event loop.
+        """
+        while True:
+            cmd = self._commands.get()
+            if isinstance(cmd, _Add):
+                if not self._register(cmd.request.request_id, cmd.stream):
+                    continue
+                cmd = _Add(cmd.request, None)  # the stream stays in this process
+            elif isinstance(cmd, _Shutdown):  # like the engine thread's _abort_all
+                self.core_process.send(_Abort(self._live_request_ids()))
+            self.core_process.send(cmd)
+            if isinstance(cmd, _Shutdown):
+                return
+
+    def _receive_outputs(self) -> None:
+        """Output thread: deliver what the engine process sends, until it exits."""
+        try:
+            while True:
+                messages = [self.core_process.recv()]  # blocks, the GIL released
+                # Whatever else arrived while this thread waited for the GIL is
+                # handled in the same turn, its steps in one hand-off: behind a
+                # busy event loop, one message per GIL turn would fall behind.
+                while self.core_process.ready():
+                    messages.append(self.core_process.recv())
+                outputs: list[RequestOutput] = []
+                for kind, *body in messages:
+                    if kind == "outputs":
+                        outputs += body[0]
+                        if body[1] is not None:
+                            self._stats = body[1]
+                        continue
+                    self._dispatch(outputs)  # keep the order of what came before
+                    outputs = []
+                    if kind == "refused":
+                        request_id, message = body
+                        self._refuse(request_id, ValueError(message))
+                    else:  # "error": its loop died, and the process is exiting
+                        self.dead_error = body[0]
+                        self._fail_all(EngineDeadError(self._dead_message()))
+                self._dispatch(outputs)
+        except EOFError:  # the engine process has exited
+            pass
+        except BaseException as e:  # a bug here must not leave streams waiting
+            logger.exception("the engine output thread died")
+            self.dead_error = self.dead_error or e
+        if self.dead_error is None and not self._shutting_down:
+            code = self.core_process.join(timeout=5)
+            self.dead_error = RuntimeError(
+                f"the engine process exited unexpectedly (exit code {code})")
+        self._fail_all(EngineDeadError(self._dead_message()))
+    # --8<-- [end:front]
 
     def _dead_message(self) -> str:
         if self.dead_error is not None:

@@ -131,8 +131,9 @@ class LLMEngine:
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.config = engine_config
-        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path)
-        self.generation_config = load_generation_config(engine_config.model)
+        self.input_processor = InputProcessor(engine_config)
+        self.tokenizer = self.input_processor.tokenizer
+        self.generation_config = self.input_processor.generation_config
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
         self.model_runner = ModelRunner(engine_config)
         self.vocab_size = engine_config.model_config.vocab_size
@@ -156,13 +157,15 @@ class LLMEngine:
                       "generation_tokens_total": 0, "num_requests_failed": 0,
                       # Seconds the host sat waiting for sampled tokens: near 0
                       # over a run means the host, not the GPU, set the pace.
-                      "gpu_wait_s": 0.0, "num_steps": 0}
+                      "gpu_wait_s": 0.0, "num_steps": 0,
+                      # GPU time of the steps (CUDA events around each, on a GPU):
+                      # a run's wall time minus this is time the GPU sat idle.
+                      "gpu_busy_s": 0.0, "gpu_busy_decode_s": 0.0}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())
 
-    # --8<-- [start:process_inputs]
     def process_inputs(
         self,
         request_id: str,
@@ -171,49 +174,9 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> ProcessedRequest:
-        """Tokenize and validate a request (thread-safe: touches no engine state).
-
-        Raises:
-            ValueError: with a message naming what is wrong (empty prompt,
-                token id outside the vocabulary, prompt or prompt + max_tokens
-                longer than max_model_len, bad sampling value).
-        """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
-            prompt = list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text = None
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if not token_ids:
-            raise ValueError("prompt: the prompt is empty")
-        n_prompt = len(token_ids)
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n_prompt} tokens do not fit the model's context length "
-                f"({self.max_model_len}), which must also hold at least one output token"
-            )
-        params = params.with_defaults(self.generation_config)
-        room = self.max_model_len - n_prompt
-        if params.max_tokens is None:
-            params = params.replace(max_tokens=room)
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens: {n_prompt} prompt tokens + max_tokens {params.max_tokens} = "
-                f"{n_prompt + params.max_tokens} is more than the model's context length "
-                f"({self.max_model_len})"
-            )
-        return ProcessedRequest(request_id, text, token_ids, params, priority,
-                                time.monotonic() if arrival_time is None else arrival_time)
-    # --8<-- [end:process_inputs]
+        """Tokenize and validate a request (see `InputProcessor.process_inputs`)."""
+        return self.input_processor.process_inputs(request_id, prompt, params, priority,
+                                                   arrival_time)
 
     def add_request(
         self,
@@ -333,9 +296,10 @@ class LLMEngine:
         try:
             logits = self.model_runner.execute(  # [len(sampling), V]
                 entries, prev.sampled if prev is not None else None, float_logits=False)
+            start = self.model_runner.step_start  # where the step's GPU work begins
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 self._last_sampling = None
-                return _Step([], None, {}, None, False)
+                return _Step([], _HostCopy(None, start), {}, None, False)
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except Exception as e:  # fail these requests, keep the engine alive
@@ -345,7 +309,7 @@ class LLMEngine:
         rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
         return _Step(
             rows=rows,
-            host=_HostCopy(sampled),
+            host=_HostCopy(sampled, start, decode_only=sched.num_prefill_tokens == 0),
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
             needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
@@ -376,13 +340,20 @@ class LLMEngine:
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:
         """Read a launched step's tokens back (the host sync) and record them."""
-        if not step.rows:
+        if step.host is None:
             return []
         t0 = time.perf_counter()
         token_ids, logprobs = step.host.wait()
         now = time.monotonic()
         self.stats["gpu_wait_s"] += time.perf_counter() - t0
         self.stats["num_steps"] += 1
+        if step.host.start is not None:
+            busy = step.host.start.elapsed_time(step.host.event) / 1e3
+            self.stats["gpu_busy_s"] += busy
+            if step.host.decode_only:
+                self.stats["gpu_busy_decode_s"] += busy
+        if not step.rows:
+            return []
         touched: dict[str, _Group] = {}
         for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
             if c.finish_reason is not None:  # finished or aborted since it was launched
@@ -493,6 +464,77 @@ class LLMEngine:
         return stats
 
 
+class InputProcessor:
+    """Turns a prompt and its sampling parameters into a validated `ProcessedRequest`.
+
+    It needs the tokenizer and the configuration, not the model, so `AsyncLLM`
+    can validate requests in the server's process while the engine runs in
+    another one.
+
+    Args:
+        engine_config: the resolved configuration.
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path)
+        self.generation_config = load_generation_config(engine_config.model)
+        self.vocab_size = engine_config.model_config.vocab_size
+        self.max_model_len = engine_config.scheduler_config.max_model_len
+
+    # --8<-- [start:process_inputs]
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Tokenize and validate a request (thread-safe: touches no engine state).
+
+        Raises:
+            ValueError: with a message naming what is wrong (empty prompt,
+                token id outside the vocabulary, prompt or prompt + max_tokens
+                longer than max_model_len, bad sampling value).
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
+            prompt = list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n_prompt} tokens do not fit the model's context length "
+                f"({self.max_model_len}), which must also hold at least one output token"
+            )
+        params = params.with_defaults(self.generation_config)
+        room = self.max_model_len - n_prompt
+        if params.max_tokens is None:
+            params = params.replace(max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: {n_prompt} prompt tokens + max_tokens {params.max_tokens} = "
+                f"{n_prompt + params.max_tokens} is more than the model's context length "
+                f"({self.max_model_len})"
+            )
+        return ProcessedRequest(request_id, text, token_ids, params, priority,
+                                time.monotonic() if arrival_time is None else arrival_time)
+    # --8<-- [end:process_inputs]
+
+
 def _uses_penalties(p: SamplingParams) -> bool:
     return (p.presence_penalty != 0 or p.frequency_penalty != 0
             or (p.repetition_penalty is not None and p.repetition_penalty != 1))
@@ -519,26 +561,34 @@ class _HostCopy:
 
     On a GPU the copy into pinned memory is queued behind the sampler and an
     event marks its end, so the host can go on (and launch the next step)
-    until `wait()`; on the CPU there is nothing to wait for.
+    until `wait()`; on the CPU there is nothing to wait for. With `start`, the
+    event recorded before the step's first kernel, the two events time the
+    step on the GPU.
     """
 
-    def __init__(self, out: SamplerOutput) -> None:
-        tensors = [out.sampled_token_ids]
-        if out.logprobs is not None:
-            tensors += [out.logprobs_token_ids, out.logprobs, out.ranks]
-        if out.sampled_token_ids.is_cuda:
+    def __init__(self, out: SamplerOutput | None, start: torch.cuda.Event | None = None,
+                 decode_only: bool = False) -> None:
+        """`out` None: a step that sampled nothing, timed only."""
+        self.start, self.decode_only = start, decode_only
+        tensors = []
+        if out is not None:
+            tensors.append(out.sampled_token_ids)
+            if out.logprobs is not None:
+                tensors += [out.logprobs_token_ids, out.logprobs, out.ranks]
+        if start is not None or (out is not None and out.sampled_token_ids.is_cuda):
             self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for host, dev in zip(self.tensors, tensors):
                 host.copy_(dev, non_blocking=True)
-            self.event: torch.cuda.Event | None = torch.cuda.Event()
+            self.event: torch.cuda.Event | None = torch.cuda.Event(
+                enable_timing=start is not None)
             self.event.record()
         else:
-            self.tensors, self.event = tensors, None
+            self.tensors, self.event, self.start = tensors, None, None
 
     def wait(self) -> tuple[list[int], _LogprobRows | None]:
         if self.event is not None:
             self.event.synchronize()  # the step's one host sync
-        token_ids = self.tensors[0].tolist()
+        token_ids = self.tensors[0].tolist() if self.tensors else []
         logprobs = _LogprobRows(*self.tensors[1:]) if len(self.tensors) > 1 else None
         return token_ids, logprobs
 # --8<-- [end:host_copy]
@@ -557,4 +607,4 @@ class _Step:
 # --8<-- [end:launched_step]
 
 
-__all__ = ["LLMEngine", "ProcessedRequest", "load_generation_config"]
+__all__ = ["InputProcessor", "LLMEngine", "ProcessedRequest", "load_generation_config"]

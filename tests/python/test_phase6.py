@@ -1,25 +1,83 @@
-"""Phase 6: the engine thread, async streams, aborts, failures and shutdown."""
+"""Phase 6: the engine thread, async streams, aborts, failures and shutdown.
+
+`AsyncLLM` runs its engine loop on a thread or, with `engine_process`, in a
+process of its own (phase 9); most tests run in both modes. Faults are
+injected through `engine_cls`: engine subclasses defined here, at module
+level, so that a spawned engine process can import them by name.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import multiprocessing
+import os
+import shutil
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.config import EngineArgs
+from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from mini_vllm.engine.core_process import decode_outputs, encode_outputs
+from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.phase6
 
 ENGINE_ARGS = {"num_gpu_blocks_override": 128, "max_num_seqs": 16, "max_model_len": 512, "seed": 0}
+MODES = ["thread", "process"]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+def _async_llm(model_dir: Path, mode: str, engine_cls: type[LLMEngine] = LLMEngine,
+               **engine_args) -> AsyncLLM:
+    args = EngineArgs(model=str(model_dir), engine_process=mode == "process",
+                      **{**ENGINE_ARGS, **engine_args})
+    return AsyncLLM(args.create_engine_config(), engine_cls)
+
+
+class _FlakyEngine(LLMEngine):
+    """An engine whose first model-runner call raises: one failed step."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        super().__init__(engine_config)
+        real_execute = self.model_runner.execute
+        calls = itertools.count()
+
+        def flaky(entries, prev_sampled=None, **kwargs):
+            if next(calls) == 0:
+                raise RuntimeError("injected failure")
+            return real_execute(entries, prev_sampled, **kwargs)
+
+        self.model_runner.execute = flaky
+
+
+class _BrokenSchedulerEngine(LLMEngine):
+    """An engine whose scheduler raises: the loop itself fails."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        super().__init__(engine_config)
+
+        def broken_schedule():
+            raise RuntimeError("scheduler bug")
+
+        self.scheduler.schedule = broken_schedule
+
+
+class _VanishingEngine(LLMEngine):
+    """An engine process that dies while it starts, without a word."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        os._exit(3)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def engine(request, tiny_model_dir):
+    llm = _async_llm(tiny_model_dir, request.param)
     yield llm
     llm.shutdown()
 
@@ -58,9 +116,10 @@ async def _collect(engine: AsyncLLM, prompt, params, request_id=None):
     return ids, text, finish, chunks
 
 
-def _free_blocks_are_all(engine: AsyncLLM) -> bool:
-    mgr = engine.engine.kv_cache_manager
-    return mgr.num_free_blocks == mgr.num_blocks  # (block 0, the padding block, is not counted)
+def _idle(engine: AsyncLLM) -> bool:
+    """Nothing running or waiting, and every KV block back in the pool (by the stats)."""
+    stats = engine.get_stats()
+    return (stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]) == (0, 0, 0.0)
 
 
 async def _wait_until(predicate, timeout=10.0):
@@ -141,10 +200,9 @@ def test_abort_running_request_frees_every_block(engine):
         await engine.abort("to-abort")
         rest = [o async for o in gen]
         assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
-        await _wait_until(lambda: _free_blocks_are_all(engine))
+        await _wait_until(lambda: _idle(engine))
 
     asyncio.run(main())
-    assert engine.get_stats()["num_running"] == 0
 
 
 def test_cancelled_consumer_aborts_its_request(engine):
@@ -162,9 +220,7 @@ def test_cancelled_consumer_aborts_its_request(engine):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await _wait_until(lambda: engine.get_stats()["num_running"] == 0
-                          and engine.get_stats()["num_waiting"] == 0)
-        await _wait_until(lambda: _free_blocks_are_all(engine))
+        await _wait_until(lambda: _idle(engine))
         # ... and a new request completes promptly.
         ids, *_ = await asyncio.wait_for(
             _collect(engine, "after", SamplingParams(temperature=0, max_tokens=4)), 10)
@@ -188,54 +244,52 @@ def test_invalid_request_raises_before_output_and_engine_keeps_serving(engine):
     assert engine.is_running
 
 
+def _child_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of another process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_idle_engine_thread_blocks_instead_of_polling(engine):
-    """With nothing to do the engine thread sleeps in a blocking get: no CPU burnt."""
+    """With nothing to do the engine thread (or process) sleeps in a blocking get: no CPU burnt."""
+    pid = engine.core_process.pid if engine.core_process is not None else None
+    if pid is not None and not Path(f"/proc/{pid}/stat").exists():
+        pytest.skip("reads another process's CPU time from /proc")
     time.sleep(0.2)
     start = time.thread_time()  # this thread's CPU time; the engine thread is separate
     cpu0 = time.process_time()
+    child0 = _child_cpu_seconds(pid) if pid is not None else 0.0
     time.sleep(1.0)
     busy = (time.process_time() - cpu0) - (time.thread_time() - start)
+    if pid is not None:
+        busy += _child_cpu_seconds(pid) - child0
     assert busy < 0.1, f"the idle engine used {busy:.2f} s of CPU in 1 s"
 
 
-def test_step_failure_fails_its_requests_and_engine_keeps_serving(tiny_model_dir):
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
-    runner = llm.engine.model_runner
-    real_execute = runner.execute
-    calls = {"n": 0}
-
-    def flaky(entries, prev_sampled=None, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected failure")
-        return real_execute(entries, prev_sampled, **kwargs)
-
-    runner.execute = flaky
+@pytest.mark.parametrize("mode", MODES)
+def test_step_failure_fails_its_requests_and_engine_keeps_serving(tiny_model_dir, mode):
+    llm = _async_llm(tiny_model_dir, mode, _FlakyEngine)
     try:
         async def main():
             with pytest.raises(RequestFailedError, match="injected failure"):
                 await _collect(llm, "doomed", SamplingParams(temperature=0, max_tokens=4))
             ids, *_ = await _collect(llm, "fine", SamplingParams(temperature=0, max_tokens=4))
+            await _wait_until(lambda: _idle(llm))
             return ids
 
         assert len(asyncio.run(main())) == 4
         assert llm.is_running and not llm.errored
-        mgr = llm.engine.kv_cache_manager
-        assert mgr.num_free_blocks == mgr.num_blocks
+        assert llm.get_stats()["num_requests_failed"] == 1
     finally:
         llm.shutdown()
 
 
-def test_fatal_error_turns_engine_dead_and_callers_get_an_error(tiny_model_dir):
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
-
-    def broken_schedule():
-        raise RuntimeError("scheduler bug")
-
-    llm.engine.scheduler.schedule = broken_schedule
+@pytest.mark.parametrize("mode", MODES)
+def test_fatal_error_turns_engine_dead_and_callers_get_an_error(tiny_model_dir, mode):
+    llm = _async_llm(tiny_model_dir, mode, _BrokenSchedulerEngine)
     try:
         async def main():
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match="scheduler bug"):
                 await asyncio.wait_for(
                     _collect(llm, "a", SamplingParams(max_tokens=4)), 10)
             with pytest.raises(EngineDeadError):
@@ -247,8 +301,33 @@ def test_fatal_error_turns_engine_dead_and_callers_get_an_error(tiny_model_dir):
         llm.shutdown()
 
 
-def test_shutdown_ends_requests_in_flight(tiny_model_dir):
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **ENGINE_ARGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_requests_raise_value_error(tiny_model_dir, mode):
+    """A request id in use, and a request the KV cache can never hold, fail alone."""
+    llm = _async_llm(tiny_model_dir, mode, num_gpu_blocks_override=8)  # 128 tokens
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        first = asyncio.create_task(_collect(llm, "first", params, request_id="same"))
+        await _wait_until(lambda: llm.get_stats()["num_running"] == 1)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(llm, "second", params, request_id="same")
+        with pytest.raises(ValueError, match="blocks"):
+            await _collect(llm, "x", SamplingParams(max_tokens=400))
+        # The refused duplicate must not abort the request that holds the id.
+        assert (await first)[2] == "length"
+        await _wait_until(lambda: _idle(llm))
+
+    try:
+        asyncio.run(main())
+        assert llm.is_running
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shutdown_ends_requests_in_flight(tiny_model_dir, mode):
+    llm = _async_llm(tiny_model_dir, mode)
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
@@ -262,6 +341,63 @@ def test_shutdown_ends_requests_in_flight(tiny_model_dir):
 
     asyncio.run(main())
     assert not llm.is_running
+    if llm.core_process is not None:
+        assert llm.core_process.process.exitcode == 0
+
+
+# --- the engine in its own process ------------------------------------------------------
+
+def test_killed_engine_process_fails_every_stream_at_once(tiny_model_dir):
+    llm = _async_llm(tiny_model_dir, "process")
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+        tasks = [asyncio.create_task(_collect(llm, f"long {i}", params)) for i in range(3)]
+        await _wait_until(lambda: llm.get_stats()["num_running"] == 3)
+        os.kill(llm.core_process.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            await _collect(llm, "after", params)
+
+    try:
+        asyncio.run(main())
+        assert llm.errored and not llm.is_running
+    finally:
+        llm.shutdown()
+
+
+def test_engine_process_that_cannot_start_raises_in_the_caller(tiny_model_dir, tmp_path):
+    before = set(multiprocessing.active_children())
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(FileNotFoundError, match="no weights in"):  # the child's own error
+        _async_llm(broken, "process")
+    with pytest.raises(RuntimeError, match=r"exited while starting \(exit code 3\)"):
+        _async_llm(tiny_model_dir, "process", _VanishingEngine)
+    assert set(multiprocessing.active_children()) <= before  # none left behind
+
+
+def test_step_outputs_cross_the_pipe_intact():
+    """The per-step message's rows rebuild the same outputs (the prompt stays behind)."""
+    outputs = [
+        RequestOutput("a", "hi", [1, 2], [CompletionOutput(0, " x", [5], None, None, None)],
+                      False, 0, None, {"arrival_time": 1.0}),
+        RequestOutput("b", None, [3], [
+            CompletionOutput(0, "", [7, 8], [{7: Logprob(-0.5, 1, "s")},
+                                             {8: Logprob(-1.5, 2, "t"), 9: Logprob(-0.1, 1, "u")}],
+                             "stop", 8),
+            CompletionOutput(1, "é", [9], None, "length", None)],
+            True, 16, None, {"arrival_time": 1.0, "finished_time": 2.0}),
+        RequestOutput("c", None, [4], [CompletionOutput(0, "", [], None, "error", None)],
+                      True, 0, "the engine failed", {}),
+    ]
+    decoded = decode_outputs(encode_outputs(outputs))
+    for out in outputs:
+        out.prompt, out.prompt_token_ids = None, []
+    assert decoded == outputs
 
 
 # --- async scheduling: the next step is planned before this one's tokens are read --------

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,11 @@ class Server:
         return self.http.get(self.url("/stats")).json()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
+@contextmanager
+def _serve(model_dir: Path, engine_process: bool) -> Iterator[Server]:
     engine = AsyncLLM(EngineArgs(
-        model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=600,
-        max_num_seqs=64).create_engine_config())
+        model=str(model_dir), max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=600,
+        max_num_seqs=64, engine_process=engine_process).create_engine_config())
     app = build_app(engine, served_model_name=MODEL)
     port = _free_port()
     uv = make_server(app, "127.0.0.1", port, log_level="warning", access_log=False)
@@ -93,6 +94,27 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert not engine.is_running  # the app's lifespan shut the engine down
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    """The server, its engine loop on a thread (the CPU's default)."""
+    with _serve(tiny_model_dir, engine_process=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def process_server(tiny_model_dir: Path) -> Iterator[Server]:
+    """The server, its engine loop in a process of its own (the GPU's default)."""
+    with _serve(tiny_model_dir, engine_process=True) as s:
+        assert s.engine.core_process is not None
+        yield s
+
+
+@pytest.fixture(params=["thread", "process"])
+def any_server(request: pytest.FixtureRequest) -> Server:
+    """Each of the two, for the tests that must hold in both modes."""
+    return request.getfixturevalue("server" if request.param == "thread" else "process_server")
 
 
 def _sse_payloads(response: httpx.Response) -> list[str]:
@@ -135,7 +157,8 @@ def _greedy(server: Server, prompt: Any, max_tokens: int = 8, ignore_eos: bool =
 # ----------------------------------------------------------------------------- completions
 
 
-def test_completion_stream_equals_non_stream_and_usage_is_exact(server: Server) -> None:
+def test_completion_stream_equals_non_stream_and_usage_is_exact(any_server: Server) -> None:
+    server = any_server
     prompt = "The quick brown fox"
     full = _greedy(server, prompt, max_tokens=12, ignore_eos=True)
     choice = full.choices[0]
@@ -225,7 +248,8 @@ def test_completion_stop_strings(server: Server) -> None:
     assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
 
 
-def test_completion_echo_and_logprobs(server: Server) -> None:
+def test_completion_echo_and_logprobs(any_server: Server) -> None:
+    server = any_server
     prompt = "Echo me"
     plain = _greedy(server, prompt, max_tokens=5)
     out = _greedy(server, prompt, max_tokens=5, echo=True, logprobs=3)
@@ -257,7 +281,8 @@ def _chat_ids(server: Server, messages: list[dict[str, Any]], **kw: Any) -> list
         messages, add_generation_prompt=True, tokenize=True, **kw))
 
 
-def test_chat_stream_equals_non_stream_with_exact_usage(server: Server) -> None:
+def test_chat_stream_equals_non_stream_with_exact_usage(any_server: Server) -> None:
+    server = any_server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     full = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
                                                  temperature=0, extra_body={"ignore_eos": True})
@@ -360,7 +385,8 @@ def test_chat_logprobs(server: Server) -> None:
 # ----------------------------------------------------------------------------- other endpoints
 
 
-def test_models_health_version_stats_metrics(server: Server) -> None:
+def test_models_health_version_stats_metrics(any_server: Server) -> None:
+    server = any_server
     models = server.client.models.list().data
     assert [m.id for m in models] == [MODEL]
     card = models[0].model_dump()
@@ -558,7 +584,8 @@ def _aborted(server: Server) -> float:
                and s.labels["finished_reason"] == "abort")
 
 
-def test_disconnects_abort_their_requests(server: Server) -> None:
+def test_disconnects_abort_their_requests(any_server: Server) -> None:
+    server = any_server
     long = {"model": MODEL, "prompt": "Go on and on", "max_tokens": 120, "temperature": 0,
             "ignore_eos": True}
     before_aborts = _aborted(server)
@@ -588,7 +615,8 @@ def test_disconnects_abort_their_requests(server: Server) -> None:
     assert time.monotonic() - start < 5
 
 
-def test_64_concurrent_streams_each_get_their_own_text(server: Server) -> None:
+def test_64_concurrent_streams_each_get_their_own_text(any_server: Server) -> None:
+    server = any_server
     prompts = [f"Request number {i} says" for i in range(64)]
 
     async def run() -> tuple[list[str], list[str]]:
@@ -729,10 +757,12 @@ def test_cli_chat_streams_replies_and_resets(server: Server, tiny_model_dir: Pat
     assert "Traceback" not in err
 
 
-def test_cli_serve_shuts_down_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_cli_serve_shuts_down_cleanly_on_sigterm(tiny_model_dir: Path, mode: str) -> None:
     port = _free_port()
     proc = _run_cli("--model", str(tiny_model_dir), "--port", str(port),
                     "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                    "--engine-process" if mode == "process" else "--no-engine-process",
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -769,5 +799,6 @@ def test_cli_serve_shuts_down_cleanly_on_sigterm(tiny_model_dir: Path) -> None:
     assert "Traceback" not in err
     # What a user needs at start-up: the model, the KV cache and an example.
     assert str(tiny_model_dir) in out and "device cpu" in out and "curl " in out
+    assert f"engine {mode}" in out
     assert f"http://127.0.0.1:{port}/v1" in out
     assert "KV cache: 64 blocks" in err and "max concurrency" in err
