@@ -14,8 +14,9 @@ Public API:
                              or silu(gate) * up @ W.T (the MLP's down projection)
     sample_tokens            one token per row of softmax(logits / T), in one pass
 
-Every kernel of a decode step is launched with programmatic dependent launch
-on sm_90+ (csrc/pdl.cuh; `set_programmatic_launch(False)` turns it off).
+On sm_90+ the kernels of a decode step (all but decode attention v7) are
+launched with programmatic dependent launch (csrc/pdl.cuh);
+`set_programmatic_launch(False)` turns it off.
 """
 
 from mini_vllm.ops._extension import (
