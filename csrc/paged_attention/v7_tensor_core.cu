@@ -36,6 +36,7 @@
 // Split-K, the (m, l) bookkeeping and the combine are those of versions 3-6.
 #include "decode_common.cuh"
 #include "dispatch.cuh"
+#include "../mma.cuh"
 
 #include <algorithm>
 #include <map>
@@ -99,37 +100,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
                : "memory");
 }
 
-// d += a b, a 16x16 (row-major), b 16x8 (column-major), d 16x8 in float32.
-// Lane (g, c) = (lane / 4, lane % 4) holds
-//   a: a0 = (row g, cols 2c, 2c+1)   a1 = (row g+8, cols 2c, 2c+1)
-//      a2 = (row g, cols 2c+8, 2c+9) a3 = (row g+8, cols 2c+8, 2c+9)
-//   b: b0 = (rows 2c, 2c+1, col g)   b1 = (rows 2c+8, 2c+9, col g)
-//   d: d0, d1 = (row g, cols 2c, 2c+1)   d2, d3 = (row g+8, cols 2c, 2c+1)
-template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1,
-                                            uint32_t a2, uint32_t a3, uint32_t b0,
-                                            uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&d)[4], uint32_t a0,
-                                                           uint32_t a1, uint32_t a2,
-                                                           uint32_t a3, uint32_t b0,
-                                                           uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                    uint32_t a2, uint32_t a3, uint32_t b0,
-                                                    uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+// mma_16x8x16 (d += a b on the tensor cores): csrc/mma.cuh, shared with the GEMV.
 // --8<-- [end:ptx]
 
 // Two floats -> one register of two 16-bit elements, `lo` in the low half.
