@@ -6,6 +6,7 @@
 #   bash scripts/gpu_phase9.sh                          # all stages
 #   STAGES="build tests" bash scripts/gpu_phase9.sh
 #   BENCH="throughput latency" BACKENDS="mini-vllm transformers" bash scripts/gpu_phase9.sh
+#   BENCH="serving kernels_v7" bash scripts/gpu_phase9.sh        # also: step_profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-out}"
@@ -52,5 +53,13 @@ if stage bench; then
   if bench latency; then
     timeout 240 "$PY" benchmarks/latency.py --backends $BACKENDS --output "$OUT/latency.json" \
       2>&1 | tail -10
+  fi
+  if bench serving; then  # needs fastapi, uvicorn and pydantic (the package's dependencies)
+    timeout 300 "$PY" benchmarks/serving.py --launch --compare-offline --request-rates 16 inf \
+      --num-requests 256 --output "$OUT/serving.json" 2>&1 | tail -8
+  fi
+  if bench kernels_v7; then
+    timeout 240 "$PY" benchmarks/kernels.py --tables v7 --out "$OUT/kernels_v7_h200.json" \
+      2>&1 | tail -30
   fi
 fi
