@@ -115,7 +115,6 @@ class CudaGraphRunner:
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.max_size = self.sizes[-1]
-        self.max_context_len = max_context_len
         self.device = device
         n = self.max_size
         # Rows of `token_inputs`: input ids, positions, slots (one copy fills all three).

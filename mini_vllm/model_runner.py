@@ -22,13 +22,13 @@ from itertools import chain, islice
 import numpy as np
 import torch
 
-from mini_vllm import ops
 from mini_vllm.attention import AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
 from mini_vllm.cuda_backend import CudaAttentionMetadata, select_attention_backend
 from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes, context_bounds
 from mini_vllm.models.loader import load_model
 from mini_vllm.ops._extension import num_sms
+from mini_vllm.ops.paged_attention import decode_grid, default_decode_version
 
 logger = logging.getLogger(__name__)
 
@@ -444,9 +444,9 @@ class ModelRunner:
         if self.attn_backend is None or self.attn_backend.decode_impl != "kernel":
             return None  # the torch decode has no grid to size
         cfg = self.model_config
-        size = ops.decode_partition_size(num_seqs, cfg.num_attention_heads,
-                                         cfg.num_key_value_heads, bound, num_sms(self.device))
-        splits = -(-bound // size)
+        size, splits = decode_grid(
+            num_seqs, cfg.num_attention_heads, cfg.num_key_value_heads, bound,
+            num_sms(self.device), default_decode_version(cfg.head_dim, self.block_size))
         return (size, splits) if splits > 1 else (0, 1)  # one split: the size is moot
 
     def _mark_step_start(self) -> None:

@@ -99,6 +99,25 @@ def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
 # --8<-- [end:partition]
 
 
+def decode_grid(num_seqs: int, num_q_heads: int, num_kv_heads: int, max_context_len: int,
+                num_sms: int, version: int, group_per_cta: int | None = None,
+                ) -> tuple[int, int]:
+    """The split-K grid `paged_decode_attention` launches: `(partition_size, max_splits)`.
+
+    Versions 1 and 2 do not split (one partition of the whole bound); versions
+    3-7 split by `decode_partition_size`, version 7 in partitions of at least
+    one 16-token tile.
+    """
+    if version < 3:
+        return max(max_context_len, 1), 1
+    group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
+    size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads, max_context_len, num_sms,
+                                 group_per_cta)
+    if version == 7:  # one split of fewer than 16 tokens: a tile still spans 16
+        size = max(size, V7_TILE_TOKENS)
+    return size, max(1, -(-max_context_len // size))
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -220,16 +239,12 @@ def paged_decode_attention(
         return out
 
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
-    if version >= 3:
-        if partition_size is None:
-            partition_size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads,
-                                                   max_context_len, num_sms(device),
-                                                   group_per_cta)
-            if version == 7:  # one split of fewer than 16 tokens: a tile still spans 16
-                partition_size = max(partition_size, V7_TILE_TOKENS)
-        max_splits = max(1, -(-max_context_len // partition_size))
+    if partition_size is None or version < 3:
+        partition_size, max_splits = decode_grid(num_seqs, num_q_heads, num_kv_heads,
+                                                 max_context_len, num_sms(device), version,
+                                                 group_per_cta)
     else:
-        partition_size, max_splits = max(max_context_len, 1), 1
+        max_splits = max(1, -(-max_context_len // partition_size))
     part_out = part_ml = None
     if max_splits > 1:
         part_out = torch.empty((num_seqs, num_q_heads, max_splits, head_dim),
