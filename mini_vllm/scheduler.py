@@ -224,6 +224,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            # --8<-- [start:skip_finished]
+            if request.num_unresolved_tokens and request.has_all_output_tokens:
+                # Async scheduling: the token still on the device is its last
+                # (max_tokens); the engine finishes it when the value arrives.
+                # A step for it would compute one more token only to drop it.
+                i += 1
+                continue
+            # --8<-- [end:skip_finished]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 raise RuntimeError(

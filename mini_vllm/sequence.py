@@ -127,6 +127,10 @@ class Request:
         # Hashes of the full blocks of `all_token_ids`, filled in by the
         # KV cache manager (see `kv_cache/block_hash.py`).
         self.block_hashes: list[bytes] = []
+        # Prompt plus the most output tokens it may produce (asked every step).
+        max_tokens = self.max_tokens
+        self._max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None
+                                else float("inf"))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -182,6 +186,12 @@ class Request:
         self.output_token_ids[output_index] = token_id
         self._all_token_ids[self.num_prompt_tokens + output_index] = token_id
         self.num_unresolved_tokens -= 1
+
+    @property
+    def has_all_output_tokens(self) -> bool:
+        """Its output, placeholders included, is `max_tokens` long: whatever the
+        values turn out to be, it finishes once they are read back."""
+        return len(self._all_token_ids) >= self._max_num_tokens
 
     @property
     def num_known_tokens(self) -> int:

@@ -253,8 +253,10 @@ class LLMEngine:
 
         Requests sampled in step N carry a placeholder token until it is read
         back; step N+1 takes its value on the device. A request that step N
-        finished was already launched in step N+1: that one token is wasted
-        and dropped. Without async scheduling, each step is read back at once.
+        finished with a stop token or string was already launched in step
+        N+1: that one token is wasted and dropped. One whose placeholder is
+        its `max_tokens`-th token is not launched again: the count alone says
+        it is done. Without async scheduling, each step is read back at once.
         """
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None

@@ -292,6 +292,24 @@ def test_schedule_refuses_a_request_whose_sampled_token_was_not_appended() -> No
         sched.schedule()
 
 
+def test_a_request_whose_unread_token_is_its_last_is_not_scheduled_again() -> None:
+    """Async scheduling: A's second (and last, max_tokens=2) token is a placeholder,
+    still on the device. A step for A would compute a third token only to drop it."""
+    sched = make_scheduler()
+    a, b = add(sched, "A", 3, max_tokens=2), add(sched, "B", 3, max_tokens=4)
+    sched.schedule()
+    a.append_placeholder_token(), b.append_placeholder_token()  # the prefill's tokens
+    assert plan(sched.schedule()) == [("A", 1), ("B", 1)]
+    a.resolve_token(0, 7), b.resolve_token(0, 7)
+    a.append_placeholder_token(), b.append_placeholder_token()  # A's 2nd: its last
+    assert plan(sched.schedule()) == [("B", 1)]
+    assert a in sched.running  # until the engine reads the token and finishes it
+    b.append_placeholder_token()
+    a.resolve_token(1, 7)
+    sched.finish_request("A", RequestStatus.FINISHED_LENGTH)
+    assert plan(sched.schedule()) == [("B", 1)]
+
+
 # ------------------------------------------------------ n > 1, stats, errors
 
 

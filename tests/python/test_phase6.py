@@ -431,3 +431,22 @@ def test_async_scheduling_gives_the_same_outputs(tiny_model_dir, engine_args):
     mgr = llm.engine.kv_cache_manager
     assert mgr.num_free_blocks == mgr.num_blocks
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_scheduling_computes_no_token_past_max_tokens(tiny_model_dir, monkeypatch):
+    """A request whose unread token is its last is not launched again: every row
+    the model samples is a token some request keeps."""
+    llm = LLM(str(tiny_model_dir), async_scheduling=True, **ENGINE_ARGS)
+    runner = llm.engine.model_runner
+    execute, sampled = runner.execute, []
+
+    def spy(entries, *args, **kwargs):
+        sampled.append(sum(e.sample for e in entries))
+        return execute(entries, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    lengths = [1, 5, 12]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+    outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert sum(sampled) == sum(lengths)
