@@ -56,14 +56,15 @@ from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
 _KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
-    ("decode attention", ("paged_attention", "decode")),
+    ("decode attention", ("paged_attention", "decode", "combine_splits")),
+    ("prefill attention", ("flash_fwd", "gather_kv_cache")),  # before "cutlass" below
     ("KV write", ("reshape_and_cache", "cache_kernel")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("copies (e.g. logits to float32)", ("copy",)),
     ("norms / rope / activations", ("rms_norm", "qk_norm_rope", "silu", "elementwise",
                                     "reduce", "vectorized", "cat", "index", "pow", "mean",
                                     "rsqrt")),
-    ("sampling", ("gumbel", "softmax", "exponential", "argmax")),
+    ("sampling", ("sample_", "gumbel", "softmax", "exponential", "argmax")),
 )
 
 
@@ -71,7 +72,8 @@ def _ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds)
 
 
-def _categorise(name: str) -> str:
+def categorise(name: str) -> str:
+    """The category of a kernel, from its name."""
     low = name.lower()
     for category, keys in _KERNEL_CATEGORIES:
         if any(k in low for k in keys):
@@ -94,7 +96,7 @@ def kernel_breakdown(fn: Any, steps: int) -> tuple[dict[str, float], list[dict[s
             per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
     categories: dict[str, float] = {}
     for name, ms in per_kernel.items():
-        cat = _categorise(name)
+        cat = categorise(name)
         categories[cat] = categories.get(cat, 0.0) + ms / steps
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
     return categories, [{"kernel": n[:90], "ms_per_step": ms / steps} for n, ms in top]

@@ -15,6 +15,7 @@ On a GPU (random Qwen3-0.6B weights, bf16; every backend in its own process):
     python benchmarks/throughput.py                      # mini-vllm, transformers, vllm, nano-vllm
     python benchmarks/throughput.py --backends mini-vllm --output benchmarks/results/mine.json
     python benchmarks/throughput.py --model ./qwen3      # a real checkpoint directory
+    python benchmarks/throughput.py --breakdown          # + GPU time by step kind and kernel
 
 Backends that are not installed (vllm, nano-vllm) are skipped with the reason; a backend
 that fails records its error in the JSON and the others still run.
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--copy-bytes", type=int, default=None,
                      help="buffer size of the copy-bandwidth measurement (default: 1 GiB on "
                           "a GPU, 256 MiB on the CPU)")
+    run.add_argument("--breakdown", action="store_true",
+                     help="mini-vllm: run the workload once more under torch.profiler and "
+                          "record GPU time by kernel category and by kind of step")
     run.add_argument("--output", default=str(RESULTS_DIR / "throughput.json"),
                      help="where to write the JSON results")
     eng = p.add_argument_group("engine (mini-vllm, vllm, nano-vllm)")
@@ -170,13 +174,83 @@ def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) ->
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.engine.get_stats()
-    return {"wall_s": elapsed,
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
-            "engine_stats": stats,
-            "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
-            "device": str(llm.engine.config.device)}
+    result = {"wall_s": elapsed,
+              "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+              "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+              "engine_stats": stats,
+              "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
+              "device": str(llm.engine.config.device)}
+    if ns.breakdown and llm.engine.config.device.type == "cuda":
+        result["breakdown"] = breakdown(llm, lambda: llm.generate(prompts, sampling,
+                                                                  use_tqdm=False))
+    return result
 # --8<-- [end:run_mini_vllm]
+
+
+# Decode steps are grouped by how many sequences they carry.
+_BATCH_BUCKETS = (8, 32, 64, 128, 192, 256)
+
+
+def breakdown(llm: Any, run: Any) -> dict[str, Any]:
+    """Where the GPU time of one more run of the workload goes.
+
+    By kind of step: each step's GPU time comes from the two CUDA events the
+    engine records around it (`gpu_busy_s`); decode steps are bucketed by
+    batch size. By kernel: torch.profiler over the same run, with the kernel
+    categories of `step_profile.py`. The profiler slows the host, not the
+    kernels, so its wall time is not a throughput figure. A kernel launched
+    with programmatic dependent launch may start before the one it follows
+    ends; its time then includes that wait.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_profile import categorise
+
+    engine = llm.engine
+    steps: list[tuple[bool, int, float]] = []
+    process = engine._process
+
+    def record(step: Any) -> Any:
+        out = process(step)
+        host = step.host
+        if host is not None and host.start is not None:
+            steps.append((host.decode_only, len(step.rows),
+                          host.start.elapsed_time(host.event) / 1e3))
+        return out
+
+    engine.scheduler.reset_prefix_cache()  # else the prompts of the timed run are cached
+    engine._process = record  # instance attribute: shadows the method for this run only
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    finally:
+        del engine._process
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+    categories: dict[str, float] = {}
+    for name, s in kernels.items():
+        categories[categorise(name)] = categories.get(categorise(name), 0.0) + s
+    kinds: dict[str, dict[str, float]] = {}
+    for decode_only, rows, seconds in steps:
+        if decode_only:
+            top = next(b for b in _BATCH_BUCKETS + (rows,) if rows <= b)
+            kind = f"decode, batch <= {top}"
+        else:
+            kind = "prefill or mixed"
+        entry = kinds.setdefault(kind, {"steps": 0, "gpu_s": 0.0})
+        entry["steps"] += 1
+        entry["gpu_s"] += seconds
+    for entry in kinds.values():
+        entry["gpu_ms_per_step"] = 1e3 * entry["gpu_s"] / entry["steps"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
+    return {"gpu_s_by_step_kind": dict(sorted(kinds.items())),
+            "kernel_s_by_category": categories,
+            "kernel_s_total": sum(kernels.values()),
+            "top_kernels": [{"kernel": n[:90], "s": s} for n, s in top]}
 
 
 # --8<-- [start:run_transformers]
@@ -397,6 +471,20 @@ def print_report(report: dict[str, Any]) -> None:
     if any("note" in r for r in rows):
         columns.append("note")
     print(format_table(rows, columns))
+    for backend, r in report["results"].items():
+        if "breakdown" in r:
+            print_breakdown(backend, r["breakdown"])
+
+
+def print_breakdown(backend: str, b: dict[str, Any]) -> None:
+    """GPU seconds of the profiled run, by kind of step and by kernel category."""
+    print(f"\n{backend}, a second run of the workload, GPU time by kind of step:")
+    print(format_table([{"step": k, **v} for k, v in b["gpu_s_by_step_kind"].items()],
+                       ["step", "steps", "gpu_s", "gpu_ms_per_step"]))
+    print(f"kernel time by category (s, {b['kernel_s_total']:.3f} in all):")
+    print(format_table([{"category": k, "s": v} for k, v in
+                        sorted(b["kernel_s_by_category"].items(), key=lambda kv: -kv[1])],
+                       ["category", "s"]))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

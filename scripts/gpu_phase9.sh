@@ -48,7 +48,7 @@ if stage bench; then
   fi
   if bench throughput; then
     timeout "${THROUGHPUT_TIMEOUT:-420}" "$PY" benchmarks/throughput.py --backends $BACKENDS \
-      --output "$OUT/throughput.json" 2>&1 | tail -8
+      --breakdown --output "$OUT/throughput.json" 2>&1 | tail -30
   fi
   if bench latency; then
     timeout 240 "$PY" benchmarks/latency.py --backends $BACKENDS --output "$OUT/latency.json" \
