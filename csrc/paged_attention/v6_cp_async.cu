@@ -20,6 +20,7 @@
 //   then:     refill stage (i mod 3) with step i+3, wait for step i+1, compute it
 #include "decode_common.cuh"
 #include "dispatch.cuh"
+#include "../cp_async.cuh"
 
 #include <algorithm>
 #include <mutex>
@@ -48,27 +49,8 @@ constexpr int v6_default_stages(int unroll) {
   return unroll == kV6Unroll ? kV6Stages : unroll <= 1 ? 8 : 3;
 }
 
-// --8<-- [start:cp_async]
-// Copy 16 bytes global -> shared without passing through registers. With
-// `valid` false nothing is read and the 16 bytes are zero-filled (a token
-// past the end of the partition: its V row is then 0, not NaN or garbage).
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
-               "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// Close the group of copies issued since the last commit.
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Wait until at most N committed groups of this thread are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// --8<-- [end:cp_async]
+// The cp.async wrappers (cp_async16, cp_async_commit, cp_async_wait) are in
+// csrc/cp_async.cuh, shared with version 7.
 
 // Issue the copies of one step into one stage of the ring: UNROLL rows of K
 // and of V per lane. `stage_addr` is this thread's slot in that stage.

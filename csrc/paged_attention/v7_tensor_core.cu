@@ -36,6 +36,7 @@
 // Split-K, the (m, l) bookkeeping and the combine are those of versions 3-6.
 #include "decode_common.cuh"
 #include "dispatch.cuh"
+#include "../cp_async.cuh"
 #include "../mma.cuh"
 
 #include <algorithm>
@@ -63,22 +64,7 @@ constexpr int kV7Warps = 2;
 constexpr int kV7Stages = 3;
 
 // --8<-- [start:ptx]
-// 16 bytes global -> shared; with `valid` false nothing is read and the 16
-// bytes are zero-filled (a token past the end of the partition).
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr),
-               "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// cp_async16, cp_async_commit and cp_async_wait: csrc/cp_async.cuh.
 
 // Four 8x8 matrices of 16-bit elements from shared memory. Lane l gives the
 // address of row l % 8 of matrix l / 8 (16 contiguous bytes); matrix j lands
