@@ -81,25 +81,40 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(fn: Any, steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """GPU time per step by category and the top kernels (ms), from torch.profiler."""
+def profile_kernels(fn: Any) -> dict[str, float]:
+    """GPU seconds of each kernel (by name) while `fn()` runs, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
+        fn()
         torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            ms = event.time_range.elapsed_us() / 1e3
-            per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
+            seconds = event.time_range.elapsed_us() / 1e6
+            kernels[event.name] = kernels.get(event.name, 0.0) + seconds
+    return kernels
+
+
+def by_category(kernels: dict[str, float]) -> dict[str, float]:
+    """`profile_kernels`' times summed by `categorise`."""
     categories: dict[str, float] = {}
-    for name, ms in per_kernel.items():
+    for name, seconds in kernels.items():
         cat = categorise(name)
-        categories[cat] = categories.get(cat, 0.0) + ms / steps
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return categories, [{"kernel": n[:90], "ms_per_step": ms / steps} for n, ms in top]
+        categories[cat] = categories.get(cat, 0.0) + seconds
+    return categories
+
+
+def kernel_breakdown(fn: Any, steps: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """GPU time per step by category and the top kernels (ms), from torch.profiler."""
+    def run() -> None:
+        for _ in range(steps):
+            fn()
+
+    kernels = profile_kernels(run)
+    categories = {cat: 1e3 * s / steps for cat, s in by_category(kernels).items()}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return categories, [{"kernel": n[:90], "ms_per_step": 1e3 * s / steps} for n, s in top]
 
 
 def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,

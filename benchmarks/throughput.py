@@ -202,10 +202,7 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
     with programmatic dependent launch may start before the one it follows
     ends; its time then includes that wait.
     """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.step_profile import categorise
+    from benchmarks.step_profile import by_category, profile_kernels
 
     engine = llm.engine
     steps: list[tuple[bool, int, float]] = []
@@ -222,18 +219,9 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
     engine.scheduler.reset_prefix_cache()  # else the prompts of the timed run are cached
     engine._process = record  # instance attribute: shadows the method for this run only
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
+        kernels = profile_kernels(run)
     finally:
         del engine._process
-    kernels: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
-    categories: dict[str, float] = {}
-    for name, s in kernels.items():
-        categories[categorise(name)] = categories.get(categorise(name), 0.0) + s
     kinds: dict[str, dict[str, float]] = {}
     for decode_only, rows, seconds in steps:
         if decode_only:
@@ -248,7 +236,7 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
         entry["gpu_ms_per_step"] = 1e3 * entry["gpu_s"] / entry["steps"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
     return {"gpu_s_by_step_kind": dict(sorted(kinds.items())),
-            "kernel_s_by_category": categories,
+            "kernel_s_by_category": by_category(kernels),
             "kernel_s_total": sum(kernels.values()),
             "top_kernels": [{"kernel": n[:90], "s": s} for n, s in top]}
 
