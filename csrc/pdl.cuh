@@ -9,10 +9,10 @@
 // itself calls `pdl_wait()`, which returns once A has completed and its
 // writes are visible. Whatever B does before `pdl_wait()` overlaps A.
 //
-// Every kernel of a decode step but decode attention v7 (slower with it, as
-// measured in chapter 9) is launched this way. The rule each follows: before
-// `pdl_wait()` it reads only data no kernel of the step writes (weights) and
-// writes nothing. By induction every earlier kernel has then completed when a
+// Every kernel of a decode step of ours is launched this way. The rule each
+// follows: before `pdl_wait()` it reads only data no kernel of the step writes
+// (weights; v7 also its block table and context length, copied from the host
+// before the step's first kernel) and writes nothing. By induction every earlier kernel has then completed when a
 // kernel passes its wait, so the stream keeps its usual order for all data.
 // CUDA graphs record the attribute as a programmatic edge. Below sm_90 both
 // calls compile to nothing and launches are plain.

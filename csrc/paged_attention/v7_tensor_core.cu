@@ -62,6 +62,14 @@ constexpr int kV7Tile = 16;
 // and a grid of 512 CTAs (64 sequences x 8 KV heads) runs as one wave.
 constexpr int kV7Warps = 2;
 constexpr int kV7Stages = 3;
+// A grid of at least three such waves (12 CTAs per SM) runs 4 warps of 2
+// stages per CTA instead: 64 KB, three CTAs and 12 warps per SM. Measured on
+// an H200 (chapter 8, `kernels.py --tables v7`), that is 1-2 % faster at 256
+// sequences and up to 7 % slower at 64, where the default's grid of 512 CTAs
+// fits one wave and the wide one's does not.
+constexpr int kV7WideWarps = 4;
+constexpr int kV7WideStages = 2;
+constexpr int kV7WideMinCtasPerSm = 12;
 
 // --8<-- [start:ptx]
 // cp_async16, cp_async_commit and cp_async_wait: csrc/cp_async.cuh.
@@ -280,6 +288,11 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
                                 p.max_blocks_per_seq - first_block);
   const int* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq + first_block;
   for (int i = threadIdx.x; i < table_entries; i += NT) s_blocks[i] = table[i];
+  const int ctx_entry = p.context_lens[seq];
+  // Launched with PDL: the table and the context length come from the host's
+  // copy before the step's first kernel, which no kernel writes, so they are
+  // read while the kernel before this one drains. Q is that kernel's output.
+  pdl_wait();
   // Q of head g (a zero row past the group) as the A operand, 2 registers per
   // kc. Lanes past the group load head 0's row too and drop it: no branches.
   uint32_t qa[KC][2];
@@ -297,7 +310,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   }
   const int64_t out_row = static_cast<int64_t>(seq) * p.num_q_heads + q_head0;
   T* out = static_cast<T*>(p.out) + out_row * HEAD_DIM;
-  const int ctx = min(min(p.context_lens[seq], p.max_blocks_per_seq << log2_bs),
+  const int ctx = min(min(ctx_entry, p.max_blocks_per_seq << log2_bs),
                       p.max_splits * p.partition_size);
   if (ctx <= 0) {
     if (split == 0) store_zeros<T, HEAD_DIM, GROUP, NT>(out);
@@ -355,6 +368,11 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
   }
 
+  // Only now let the next kernel be scheduled. At the top (as the other
+  // kernels do) the next kernels' CTAs, each launching the one after it
+  // before it waits, pile up on the SMs while this one still reads; measured
+  // in chapter 9, that made the batch-1 step slower, this placement faster.
+  pdl_launch_dependents();
   // Merge the warps. The ring becomes the merge area once every copy has
   // landed and every warp is done reading.
   l += __shfl_xor_sync(0xffffffffu, l, 1);  // the quad's shares -> head g's sum
@@ -418,15 +436,22 @@ V7Kernel v7_kernel() {
           v7_pipe_bytes<HEAD_DIM, GROUP, WARPS, STAGES>()};
 }
 
-// The kernel for (warps, stages); 0 means the default. Other shapes of the
-// pipeline are built for bf16 / head_dim 128 with groups of 2 and 4 only
-// (Qwen3-0.6B and 8B), for tuning.
+// The kernel for (warps, stages); 0 and 0 pick the default, or the wide
+// pipeline for a grid of many waves. Other shapes of the pipeline are built
+// for bf16 / head_dim 128 with groups of 2 and 4 only (Qwen3-0.6B and 8B),
+// for tuning.
 template <typename T, int HEAD_DIM, int GROUP>
-V7Kernel select_v7_kernel(int warps, int stages) {
+V7Kernel select_v7_kernel(int warps, int stages, bool many_waves) {
+  if (warps == 0 && stages == 0 && many_waves) {
+    return v7_kernel<T, HEAD_DIM, GROUP, kV7WideWarps, kV7WideStages>();
+  }
   const int w = warps != 0 ? warps : kV7Warps;
   const int s = stages != 0 ? stages : kV7Stages;
   if (w == kV7Warps && s == kV7Stages) {
     return v7_kernel<T, HEAD_DIM, GROUP, kV7Warps, kV7Stages>();
+  }
+  if (w == kV7WideWarps && s == kV7WideStages) {
+    return v7_kernel<T, HEAD_DIM, GROUP, kV7WideWarps, kV7WideStages>();
   }
   if constexpr (std::is_same_v<T, __nv_bfloat16> && HEAD_DIM == 128 &&
                 (GROUP == 2 || GROUP == 4)) {
@@ -435,7 +460,6 @@ V7Kernel select_v7_kernel(int warps, int stages) {
     MINI_VLLM_V7_TUNABLE(1, 4)
     MINI_VLLM_V7_TUNABLE(2, 2)
     MINI_VLLM_V7_TUNABLE(2, 4)
-    MINI_VLLM_V7_TUNABLE(4, 2)
     MINI_VLLM_V7_TUNABLE(4, 3)
 #undef MINI_VLLM_V7_TUNABLE
   }
@@ -444,6 +468,23 @@ V7Kernel select_v7_kernel(int warps, int stages) {
 }
 
 constexpr size_t kV7MaxTableBytes = 32 * 1024;
+
+// Multiprocessors of the current device, asked once per device.
+int sm_count() {
+  static std::mutex mutex;
+  static std::map<int, int> counts;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(device);
+  if (it == counts.end()) {
+    int n = 0;
+    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+               "cudaDeviceGetAttribute(MultiProcessorCount)");
+    it = counts.emplace(device, n).first;
+  }
+  return it->second;
+}
 
 // Once per kernel and device: allow the ring plus the largest table of block
 // entries (as far as the GPU allows) and ask for the largest shared-memory
@@ -493,7 +534,10 @@ struct LaunchV7 {
         throw std::invalid_argument("version 7 needs partition_size >= 16 with split-K, got " +
                                     std::to_string(p.partition_size));
       }
-      const V7Kernel k = select_v7_kernel<T, HEAD_DIM, GROUP>(p.unroll, p.stages);
+      const dim3 grid(p.num_q_heads / GROUP, p.max_splits, p.num_seqs);
+      const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+      const V7Kernel k = select_v7_kernel<T, HEAD_DIM, GROUP>(
+          p.unroll, p.stages, ctas >= static_cast<int64_t>(kV7WideMinCtasPerSm) * sm_count());
       const int table_entries = std::max(1, p.partition_size >> log2_bs);
       const size_t table =
           static_cast<size_t>(std::min(table_entries, p.max_blocks_per_seq) + 1) * sizeof(int);
@@ -505,9 +549,8 @@ struct LaunchV7 {
             "than the " + std::to_string(allowed) + " it may use here (fewer warps or stages, "
             "or a shorter partition_size / block_size)");
       }
-      const dim3 grid(p.num_q_heads / GROUP, p.max_splits, p.num_seqs);
-      k.fn<<<grid, k.warps * 32, k.pipe_bytes + table, stream>>>(p, log2_bs);
-      MINI_VLLM_CHECK_LAUNCH("paged_attention_v7_kernel");
+      launch_kernel(k.fn, grid, dim3(k.warps * 32), k.pipe_bytes + table, stream,
+                    "paged_attention_v7_kernel", p, log2_bs);
       launch_combine<T, HEAD_DIM>(p, stream);
     }
   }

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mini_vllm import ops
-from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, heads_per_cta
+from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, decode_grid, heads_per_cta
 from mini_vllm.ops.reference import (
     gather_context_ref,
     paged_decode_attention_ref,
@@ -223,10 +223,10 @@ def test_decode_depth_not_built_says_so() -> None:
         with pytest.raises(ValueError, match="version 7 with .* not built"):
             ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.1, 40,
                                        version=7, unroll=unroll, stages=stages)
-    # The tuning depths are built for bfloat16 only.
-    with pytest.raises(ValueError, match="version 7 with 4 warps and 2 stages is not built"):
+    # The tuning depths are built for bfloat16 only (the default and wide ones for both).
+    with pytest.raises(ValueError, match="version 7 with 4 warps and 3 stages is not built"):
         ops.paged_decode_attention(query.half(), k_cache.half(), v_cache.half(), tables, lens,
-                                   0.1, 40, version=7, unroll=4, stages=2)
+                                   0.1, 40, version=7, unroll=4, stages=3)
 
 
 @pytest.mark.gpu
@@ -267,19 +267,23 @@ def test_decode_v7_groups_and_tile_edges(dtype: torch.dtype, block_size: int,
                                          heads: tuple[int, int, int]) -> None:
     """Every group and head dim; contexts that end on and around tile and block edges,
     with the partitions the wrapper picks (several splits for 8189 tokens) and with
-    partitions of 32 tokens (many splits, shorter than a block from 64 up)."""
+    partitions of 32 tokens (many splits, shorter than a block from 64 up); the same
+    with the pipeline a grid of many waves gets (4 warps, 2 stages)."""
     gen = _gen("v7", str(dtype), block_size, heads)
     assert heads_per_cta(heads[0], heads[1], 7) == heads[0] // heads[1]
     _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=7)
     _run_decode(V7_CONTEXTS[:-1], block_size, heads, dtype, gen, version=7, partition_size=32)
+    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=7, unroll=4, stages=2)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize(("batch", "max_ctx"), [(1, 8192), (3, 8189), (64, 1024), (256, 300)])
+@pytest.mark.parametrize(("batch", "max_ctx"),
+                         [(1, 8192), (3, 8189), (64, 1024), (128, 8192), (256, 300)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (64, 8, 64)], ids=str)
 def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int]) -> None:
-    """Groups of 4 and 8 at batches of 1 to 256, one split or many."""
+    """Groups of 4 and 8 at batches of 1 to 256, one split or many; 128 x 8192 in one
+    partition of 8,192 tokens, 256 sequences in a grid of many waves (the wide pipeline)."""
     gen = _gen("v7 batches", batch, max_ctx, heads)
     lens = ([max_ctx - 7 * i for i in range(batch)] if batch <= 3
             else _context_lens(batch, max_ctx, 32, gen))
@@ -538,6 +542,11 @@ def test_partition_size_heuristic() -> None:
     assert ops.decode_partition_size(64, 16, 8, 1024, 132) == 1024
     assert ops.decode_partition_size(1, 16, 8, 8192, 132) == 256
     assert ops.decode_partition_size(1, 16, 8, 1024, 132) == 64
+    # Version 7 keeps a full grid's 8k contexts in one partition; the others split in two.
+    assert decode_grid(64, 16, 8, 8192, 132, 7) == (8192, 1)
+    assert decode_grid(64, 16, 8, 8192, 132, 5) == (4096, 2)
+    assert decode_grid(16, 16, 8, 8192, 132, 7) == (2048, 4)  # 128 CTAs a split: split
+    assert decode_grid(1, 16, 8, 8, 132, 7) == (16, 1)  # at least one 16-token tile
 
 
 def _cpu_paged(lens: list[int], block_size: int, heads: tuple[int, int, int],
