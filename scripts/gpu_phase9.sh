@@ -59,7 +59,7 @@ if stage bench; then
       --num-requests 256 --output "$OUT/serving.json" 2>&1 | tail -8
   fi
   if bench kernels_v7; then
-    timeout 240 "$PY" benchmarks/kernels.py --tables v7 --out "$OUT/kernels_v7_h200.json" \
+    timeout 360 "$PY" benchmarks/kernels.py --tables v7 v7parts --out "$OUT/kernels_v7_h200.json" \
       2>&1 | tail -30
   fi
 fi
