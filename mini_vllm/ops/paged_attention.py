@@ -33,8 +33,8 @@ MIN_PARTITION_SIZE = 64
 MAX_SPLITS_PER_SEQ = 32
 MAX_PARTITION_SIZE = 4096
 # Version 7 keeps an 8k context in one partition when the grid is full anyway:
-# no split-K combine (measured on an H200: 64 x 8192 in 473 µs against 481 µs
-# in two partitions of 4096).
+# no split-K combine (measured on an H200, chapter 8: 64 x 8192 in 484 µs
+# against 491 µs in two partitions of 4096).
 V7_MAX_PARTITION_SIZE = 8192
 # Split until the grid has this many CTAs per SM: measured on an H200, fewer
 # and longer partitions win as soon as every SM has two (chapter 8).
