@@ -23,6 +23,10 @@ inline void check_cuda(cudaError_t err, const char* what) {
 }
 #define MINI_VLLM_CHECK_LAUNCH(what) ::mini_vllm::check_cuda(cudaGetLastError(), what)
 
+// An attribute of the current device (SM count, compute capability, ...),
+// asked of the driver once and remembered (csrc/device.cu).
+int device_attribute(cudaDeviceAttr attr);
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 inline int log2_exact(int x) {

@@ -469,23 +469,6 @@ V7Kernel select_v7_kernel(int warps, int stages, bool many_waves) {
 
 constexpr size_t kV7MaxTableBytes = 32 * 1024;
 
-// Multiprocessors of the current device, asked once per device.
-int sm_count() {
-  static std::mutex mutex;
-  static std::map<int, int> counts;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = counts.find(device);
-  if (it == counts.end()) {
-    int n = 0;
-    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-               "cudaDeviceGetAttribute(MultiProcessorCount)");
-    it = counts.emplace(device, n).first;
-  }
-  return it->second;
-}
-
 // Once per kernel and device: allow the ring plus the largest table of block
 // entries (as far as the GPU allows) and ask for the largest shared-memory
 // carveout. Returns the dynamic shared memory the kernel may use.
@@ -537,7 +520,8 @@ struct LaunchV7 {
       const dim3 grid(p.num_q_heads / GROUP, p.max_splits, p.num_seqs);
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
       const V7Kernel k = select_v7_kernel<T, HEAD_DIM, GROUP>(
-          p.unroll, p.stages, ctas >= static_cast<int64_t>(kV7WideMinCtasPerSm) * sm_count());
+          p.unroll, p.stages, ctas >= static_cast<int64_t>(kV7WideMinCtasPerSm) *
+                                      device_attribute(cudaDevAttrMultiProcessorCount));
       const int table_entries = std::max(1, p.partition_size >> log2_bs);
       const size_t table =
           static_cast<size_t>(std::min(table_entries, p.max_blocks_per_seq) + 1) * sizeof(int);
