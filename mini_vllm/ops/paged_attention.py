@@ -117,9 +117,9 @@ def decode_grid(num_seqs: int, num_q_heads: int, num_kv_heads: int, max_context_
     if version < 3:
         return max(max_context_len, 1), 1
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
-    longest = V7_MAX_PARTITION_SIZE if version == 7 else MAX_PARTITION_SIZE
+    max_size = V7_MAX_PARTITION_SIZE if version == 7 else MAX_PARTITION_SIZE
     size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads, max_context_len, num_sms,
-                                 group_per_cta, longest)
+                                 group_per_cta, max_size)
     if version == 7:  # one split of fewer than 16 tokens: a tile still spans 16
         size = max(size, V7_TILE_TOKENS)
     return size, max(1, -(-max_context_len // size))
