@@ -39,9 +39,9 @@ two warps / stages each, against SDPA on contiguous K/V at the bar's
 shapes), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
-``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1, 2,
-4 and 8 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x
-and y, each once).
+``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
+16 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x and y,
+each once).
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ GEMV_SHAPES = {
                  ("gate_up_proj", 4096, 24576), ("down_proj", 12288, 4096),
                  ("lm_head", 4096, 151936)],
 }
-GEMV_ROWS = (1, 2, 4, 8)
+GEMV_ROWS = (1, 2, 4, 8, 16)
 
 
 # --8<-- [start:bench_gemv]
@@ -646,7 +646,7 @@ def run(args: argparse.Namespace) -> dict:
         result["prefill"] = bench_prefill(device)
         save()
     if "gemv" in tables:
-        print("gemv: y = x @ W.T at 1-8 rows, ours vs cuBLAS (F.linear), bf16")
+        print(f"gemv: y = x @ W.T at {GEMV_ROWS} rows, ours vs cuBLAS (F.linear), bf16")
         result["gemv"] = bench_gemv(copy_bw, device)
         save()
     return result
@@ -833,7 +833,7 @@ def dry_run() -> None:
                 raise SystemExit(f"{path} disagrees with the reference")
     if ops.is_available():
         for k, n in ((64, 100), (1024, 1000)):
-            for m in (1, 8):
+            for m in (1, 8, 13):
                 x = torch.randn(m, k, device=device, dtype=DTYPE)
                 w = torch.randn(n, k, device=device, dtype=DTYPE)
                 ref = x.double() @ w.double().T

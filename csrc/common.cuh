@@ -27,6 +27,11 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // asked of the driver once and remembered (csrc/device.cu).
 int device_attribute(cudaDeviceAttr attr);
 
+// How many blocks of `threads` threads (and `smem` bytes of dynamic shared
+// memory) of `kernel` one SM of the current device holds at once; asked once
+// per (device, kernel, threads, smem) and remembered (csrc/device.cu).
+int resident_blocks_per_sm(const void* kernel, int threads, size_t smem);
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 inline int log2_exact(int x) {

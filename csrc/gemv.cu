@@ -1,4 +1,4 @@
-// Skinny GEMM for decode steps (phase 9): y[M, N] = x[M, K] @ W[N, K]^T, M <= 8.
+// Skinny GEMM for decode steps (phase 9): y[M, N] = x[M, K] @ W[N, K]^T, M <= 16.
 //
 // In a decode step of a few sequences every linear layer multiplies a handful
 // of activation rows (one per sequence) by a weight matrix of millions of
@@ -10,13 +10,14 @@
 // smaller matrices. This kernel is built to stream W:
 //
 //   - every byte of W is read once, with 16-byte loads that skip L1;
-//   - x (at most 8 x K elements, a few KB) is read through L1, which keeps it
-//     for all the blocks of an SM;
+//   - x (at most 16 x K elements, a few KB) is read through L1, which keeps
+//     it for all the blocks of an SM;
 //   - the multiply-adds run on the tensor cores (mma.sync m16n8k16: a 16 x 16
 //     tile of W times a 16 x 8 tile of x^T, summed in float32). On the CUDA
 //     cores a weight element costs a conversion and M float32 FMAs; at M = 8
 //     that made a first version of this kernel compute-bound, at 50-65 % of
-//     the copy bandwidth. On the tensor cores M = 8 costs what M = 1 does;
+//     the copy bandwidth. On the tensor cores M = 8 costs what M = 1 does,
+//     and 9 to 16 rows take a second mma per W fragment (two column tiles);
 //   - the S warps that share a tile (split-K) add their partial sums through
 //     shared memory in a fixed order; each output is rounded once, as cuBLAS
 //     rounds it.
@@ -25,6 +26,8 @@
 // M of one mma. S warps (1 to 16) share a tile, each summing an interleaved
 // slice of K in chunks of 32 elements, kU chunks at a time; a block holds
 // max(4, S) warps, that is max(4, S) / S tiles.
+#include <string>
+
 #include "common.cuh"
 #include "gemv_params.h"
 #include "mma.cuh"
@@ -75,10 +78,11 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& w_lo, cons
 // --8<-- [end:mma]
 
 // --8<-- [start:gemv]
-// One tile of 16 rows of W per S warps. Lane (g, q) = (lane / 4, lane % 4).
-template <typename T, int M, int S>
+// One tile of 16 rows of W per S warps, times NT column tiles of 8 rows of x
+// (NT mma's share each W fragment). Lane (g, q) = (lane / 4, lane % 4).
+template <typename T, int NT, int S, bool PRELOAD>
 __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
-    T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int n, int k,
+    T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int m, int n, int k,
     int64_t x_stride) {
   constexpr int NW = S > 4 ? S : 4;  // warps per block
   constexpr int G = NW / S;          // tiles per block
@@ -90,57 +94,94 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   const int num_chunks = (k + kChunk - 1) / kChunk;
 
   // Rows past n (the last tile of a ragged n) read row n - 1 again, and
-  // columns of x past M read row M - 1: every load stays in bounds and the
+  // rows of x past m read row m - 1: every load stays in bounds and the
   // loop needs no branch on them; those outputs are never stored.
   const T* w_lo = w + static_cast<int64_t>(min(row0 + g, n - 1)) * k;
   const T* w_hi = w + static_cast<int64_t>(min(row0 + g + 8, n - 1)) * k;
-  const T* xr = x + min(g, M - 1) * x_stride;
-  // Launched with PDL (pdl.cuh): x comes from the kernel before.
-  pdl_launch_dependents();
-  pdl_wait();
+  const T* xr[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, m - 1) * x_stride;
 
-  // Chunks split, split + S, ... of K, kU at a time: the batch's 3 kU loads
-  // come first in the program, then its 2 kU mma's, so that the loads are on
-  // their way together (the compiler keeps as many in flight as registers let it).
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c0 = split; c0 < num_chunks; c0 += kU * S) {
-    uint4 a_lo[kU], a_hi[kU], b[kU];
+  // Chunks split, split + S, ... of K, kU at a time: a batch's loads of W
+  // and x come first in the program, then its mma's, so that the loads are
+  // on their way together (the compiler keeps as many in flight as
+  // registers let it). The lane's vector of chunk c0 + u S is
+  // v = (c0 + u S) * 4 + q; past the end of the row (the last chunk of a K
+  // that is not a multiple of 32, or a chunk past the end) it loads vector 0
+  // instead, to stay in bounds, and uses zeros.
+  uint4 a_lo[kU], a_hi[kU], b[kU][NT];
+  auto load_w = [&](int c0) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      // The lane's vector of chunk c0 + u S. Past the end of the row (the
-      // last chunk of a K that is not a multiple of 32, or a chunk past the
-      // end) it loads vector 0 instead, to stay in bounds, and uses zeros.
       const int v = (c0 + u * S) * (kChunk / 8) + q;
-      const bool in_row = v < num_vec;
-      const int off = in_row ? v * 8 : 0;
+      const int off = v < num_vec ? v * 8 : 0;
       a_lo[u] = load_w16(w_lo + off);
       a_hi[u] = load_w16(w_hi + off);
-      b[u] = load_cached16(xr + off);
-      if (!in_row) a_lo[u] = a_hi[u] = b[u] = make_uint4(0, 0, 0, 0);
+      if (v >= num_vec) a_lo[u] = a_hi[u] = make_uint4(0, 0, 0, 0);
     }
+  };
+  auto load_x = [&](int c0) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) mma_chunk<T>(d, a_lo[u], a_hi[u], b[u]);
+    for (int u = 0; u < kU; ++u) {
+      const int v = (c0 + u * S) * (kChunk / 8) + q;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        b[u][j] = load_cached16(xr[j] + (v < num_vec ? v * 8 : 0));
+        if (v >= num_vec) b[u][j] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  // Launched with PDL (pdl.cuh): x comes from the kernel before. W depends on
+  // no kernel: with PRELOAD (see launch_gemv) the first batch of it is loaded
+  // before the wait, while the kernel before still runs. For Qwen3's layers
+  // that is all the W a warp reads.
+  if (PRELOAD) load_w(split);
+  pdl_launch_dependents();
+  pdl_wait();
+  float d[NT][4] = {};
+  for (int c0 = split; c0 < num_chunks; c0 += kU * S) {
+    if (!PRELOAD || c0 != split) load_w(c0);
+    load_x(c0);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) mma_chunk<T>(d[j], a_lo[u], a_hi[u], b[u][j]);
+    }
   }
 
-  // d[0], d[1]: rows row0 + g of outputs 2q, 2q + 1; d[2], d[3]: row row0 + g + 8.
-  if constexpr (S > 1) {  // add the S warps' partial tiles, in a fixed order
+  // d[j][0], d[j][1]: W row row0 + g, x rows 8j + 2q, 8j + 2q + 1; d[j][2],
+  // d[j][3]: W row row0 + g + 8. The S warps' partial tiles are added in a
+  // fixed order, one column tile at a time (shared memory for one).
+  if constexpr (S > 1) {
     __shared__ float4 partial[NW][32];
-    partial[warp][lane] = make_float4(d[0], d[1], d[2], d[3]);
-    __syncthreads();
-    if (split != 0) return;
 #pragma unroll
-    for (int s = 1; s < S; ++s) {
-      const float4 p = partial[warp + s][lane];
-      d[0] += p.x;
-      d[1] += p.y;
-      d[2] += p.z;
-      d[3] += p.w;
+    for (int j = 0; j < NT; ++j) {
+      if (j > 0) __syncthreads();
+      partial[warp][lane] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+      __syncthreads();
+      if (split == 0) {
+#pragma unroll
+        for (int s = 1; s < S; ++s) {
+          const float4 p = partial[warp + s][lane];
+          d[j][0] += p.x;
+          d[j][1] += p.y;
+          d[j][2] += p.z;
+          d[j][3] += p.w;
+        }
+      }
     }
+    if (split != 0) return;
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + g + (i / 2) * 8, m = 2 * q + i % 2;
-    if (m < M && row < n) y[static_cast<int64_t>(m) * n + row] = TypeTraits<T>::from_float(d[i]);
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + (i / 2) * 8, r = 8 * j + 2 * q + i % 2;
+      if (r < m && row < n) {
+        y[static_cast<int64_t>(r) * n + row] = TypeTraits<T>::from_float(d[j][i]);
+      }
+    }
   }
 }
 // --8<-- [end:gemv]
@@ -151,9 +192,9 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
 // flight at once and leave a shorter tail when the last ones finish; past
 // one batch per warp a split only adds partial sums. Matrices of more than
 // 1024 tiles (N > 16384) fill the GPU anyway: at most 8 warps per tile there,
-// smaller blocks. On the H200 this picks, for Qwen3-0.6B, S = 8 for
-// qkv_proj, gate_up_proj and lm_head (K = 1024) and 16 for o_proj and
-// down_proj (N = 1024: 64 tiles); each was within a few % of the best S.
+// smaller blocks. On the H200 this picks, for Qwen3-0.6B at up to 8 rows,
+// S = 8 for qkv_proj, gate_up_proj and lm_head (K = 1024) and 16 for o_proj
+// and down_proj (N = 1024: 64 tiles); each was within a few % of the best S.
 int choose_splits(int n, int k) {
   const int num_chunks = ceil_div(k, kChunk);
   const int max_splits = ceil_div(n, kTileRows) > 1024 ? 8 : kMaxSplits;
@@ -163,38 +204,45 @@ int choose_splits(int n, int k) {
 }
 // --8<-- [end:gemv_splits]
 
-template <typename T, int M, int S>
+// --8<-- [start:gemv_launch]
+// The first batch of W is loaded before the wait only when every block is
+// resident from the start: blocks of a later wave start after the kernel
+// before has finished, so they gain nothing, while the first wave's early
+// loads take bandwidth from that kernel's last blocks (back-to-back calls of
+// the 0.6B LM head, 9,496 blocks, were slower with them). Qwen3-0.6B's
+// layers are one wave or less.
+template <typename T, int NT, int S>
 void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   constexpr int NW = S > 4 ? S : 4;
   const int blocks = ceil_div(ceil_div(p.n, kTileRows), NW / S);
-  launch_kernel(gemv_kernel<T, M, S>, dim3(blocks), dim3(32 * NW), 0, stream, "gemv",
-                static_cast<T*>(p.y), static_cast<const T*>(p.x), static_cast<const T*>(p.w),
-                p.n, p.k, p.x_stride);
+  const auto early = gemv_kernel<T, NT, S, true>;
+  const int wave = resident_blocks_per_sm(reinterpret_cast<const void*>(early), 32 * NW, 0) *
+                   device_attribute(cudaDevAttrMultiProcessorCount);
+  launch_kernel(blocks <= wave ? early : gemv_kernel<T, NT, S, false>, dim3(blocks),
+                dim3(32 * NW), 0, stream, "gemv", static_cast<T*>(p.y),
+                static_cast<const T*>(p.x), static_cast<const T*>(p.w), p.m, p.n, p.k,
+                p.x_stride);
 }
+// --8<-- [end:gemv_launch]
 
+// Column tiles of 8 rows of x: one up to 8 rows, two up to 16.
 template <typename T, int S>
-void launch_gemv_m(const GemvParams& p, cudaStream_t stream) {
-  switch (p.m) {
+void launch_gemv_nt(const GemvParams& p, int nt, cudaStream_t stream) {
+  switch (nt) {
     case 1: return launch_gemv<T, 1, S>(p, stream);
     case 2: return launch_gemv<T, 2, S>(p, stream);
-    case 3: return launch_gemv<T, 3, S>(p, stream);
-    case 4: return launch_gemv<T, 4, S>(p, stream);
-    case 5: return launch_gemv<T, 5, S>(p, stream);
-    case 6: return launch_gemv<T, 6, S>(p, stream);
-    case 7: return launch_gemv<T, 7, S>(p, stream);
-    case 8: return launch_gemv<T, 8, S>(p, stream);
-    default: throw std::invalid_argument("gemv: rows of x must be 1 to 8");
+    default: throw std::invalid_argument("gemv: column tiles must be 1 or 2");
   }
 }
 
 template <typename T>
-void launch_gemv_t(const GemvParams& p, int splits, cudaStream_t stream) {
+void launch_gemv_t(const GemvParams& p, int nt, int splits, cudaStream_t stream) {
   switch (splits) {
-    case 1: return launch_gemv_m<T, 1>(p, stream);
-    case 2: return launch_gemv_m<T, 2>(p, stream);
-    case 4: return launch_gemv_m<T, 4>(p, stream);
-    case 8: return launch_gemv_m<T, 8>(p, stream);
-    case 16: return launch_gemv_m<T, 16>(p, stream);
+    case 1: return launch_gemv_nt<T, 1>(p, nt, stream);
+    case 2: return launch_gemv_nt<T, 2>(p, nt, stream);
+    case 4: return launch_gemv_nt<T, 4>(p, nt, stream);
+    case 8: return launch_gemv_nt<T, 8>(p, nt, stream);
+    case 16: return launch_gemv_nt<T, 16>(p, nt, stream);
     default: throw std::invalid_argument("gemv: splits must be 0, 1, 2, 4, 8 or 16");
   }
 }
@@ -205,17 +253,20 @@ bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) %
 
 void gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
-  if (p.m < 1 || p.m > kGemvMaxRows) throw std::invalid_argument("gemv: rows of x must be 1 to 8");
+  if (p.m < 1 || p.m > kGemvMaxRows) {
+    throw std::invalid_argument("gemv: rows of x must be 1 to " + std::to_string(kGemvMaxRows));
+  }
   if (p.n < 0 || p.k <= 0 || p.k % 8) {
     throw std::invalid_argument("gemv: k must be a positive multiple of 8 and n >= 0");
   }
   if (p.x_stride % 8 || !aligned16(p.x) || !aligned16(p.w)) {
     throw std::invalid_argument("gemv: x and w must be 16-byte aligned (x's row stride too)");
   }
+  const int nt = p.m <= 8 ? 1 : 2;
   const int splits = p.splits ? p.splits : choose_splits(p.n, p.k);
   switch (p.dtype) {
-    case DType::kBFloat16: return launch_gemv_t<__nv_bfloat16>(p, splits, stream);
-    case DType::kFloat16: return launch_gemv_t<__half>(p, splits, stream);
+    case DType::kBFloat16: return launch_gemv_t<__nv_bfloat16>(p, nt, splits, stream);
+    case DType::kFloat16: return launch_gemv_t<__half>(p, nt, splits, stream);
     default: throw std::invalid_argument("gemv: dtype must be float16 or bfloat16");
   }
 }

@@ -29,7 +29,7 @@ void register_gemv_ops(py::module_& m) {
         p.splits = splits;
         gemv(p, as_stream(stream));
       },
-      "y[rows, n] = x[rows, k] @ w[n, k]^T for 1 to 8 rows (see GemvParams).", py::arg("y"),
+      "y[rows, n] = x[rows, k] @ w[n, k]^T for 1 to GEMV_MAX_ROWS rows (see GemvParams).", py::arg("y"),
       py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("dtype"), py::arg("stream"), py::arg("splits") = 0);
 }

@@ -52,7 +52,7 @@ class Linear(nn.Module):
         output_sizes: rows of each stacked projection.
         device: where to allocate the weight.
         dtype: the weight's dtype.
-        use_kernels: multiply 1 to 8 rows (a decode step of up to 8
+        use_kernels: multiply 1 to 16 rows (a decode step of up to 16
             sequences) with the skinny-GEMM kernel of `mini_vllm.ops.gemv`
             when it can run them; cuBLAS (`F.linear`) does everything else.
     """
@@ -402,7 +402,7 @@ class Qwen3ForCausalLM(nn.Module):
         dtype: the weights' dtype.
         use_kernels: run norms, RoPE and SiLU through the fused CUDA kernels
             of `mini_vllm.ops.layer_ops`, and the linear layers of steps of
-            1 to 8 tokens through `mini_vllm.ops.gemv` (default: when they
+            1 to 16 tokens through `mini_vllm.ops.gemv` (default: when they
             can run here).
     """
 

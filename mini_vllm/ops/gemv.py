@@ -1,8 +1,8 @@
-"""Skinny GEMM for decode steps: `y = x @ W.T` for 1 to 8 rows of x, and its torch reference.
+"""Skinny GEMM for decode steps: `y = x @ W.T` for 1 to 16 rows of x, and its torch reference.
 
-At batch 1 to 8 a linear layer reads its whole weight matrix to use each
-element once per row: the product is bound by memory bandwidth, and cuBLAS's
-GEMM tiles reach only a third of it there. The kernel (`csrc/gemv.cu`)
+At batch 1 to 16 a linear layer reads its whole weight matrix to use each
+element at most 16 times: the product is bound by memory bandwidth, and
+cuBLAS's GEMM tiles reach a third of it or less there. The kernel (`csrc/gemv.cu`)
 streams the weight once with 16-byte loads. The model calls it through
 `gemv_usable`, which is cheap enough to ask on every forward, and falls back
 to `F.linear` (the reference) for everything else: more rows, float32, the CPU.
@@ -17,7 +17,7 @@ from mini_vllm.ops._checks import check_same_device, check_tensor
 from mini_vllm.ops._extension import _import_extension, dtype_code, extension
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
-GEMV_MAX_ROWS = 8  # kGemvMaxRows in csrc/gemv_params.h
+GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv_params.h
 GEMV_SPLITS = (0, 1, 2, 4, 8, 16)  # 0: the kernel picks
 
 
@@ -30,7 +30,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv(x, weight)` can run: a handful of attribute reads, no tensor ops.
 
-    True for a CUDA `x [rows, K]` with 1 <= rows <= 8, float16 or bfloat16,
+    True for a CUDA `x [rows, K]` with 1 <= rows <= GEMV_MAX_ROWS, float16 or bfloat16,
     K a multiple of 8, rows dense and 16-byte aligned (any row stride that
     keeps them so), and a contiguous, aligned `weight [N, K]` of the same
     dtype and device, with the kernels built.
@@ -46,13 +46,13 @@ def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
          splits: int = 0) -> torch.Tensor:
-    """The CUDA kernel of `gemv_ref` for 1 to 8 rows: `[rows, K] @ [N, K].T -> [rows, N]`.
+    """The CUDA kernel of `gemv_ref` for 1 to 16 rows: `[rows, K] @ [N, K].T -> [rows, N]`.
 
     Products are summed in float32 and each output is rounded once to the
     dtype, as cuBLAS does; only the order of the additions differs.
 
     Args:
-        x: [rows, K], 1 <= rows <= 8, float16 or bfloat16, rows dense (any row
+        x: [rows, K], 1 <= rows <= GEMV_MAX_ROWS (16), float16 or bfloat16, rows dense (any row
             stride that is a multiple of 8 elements), 16-byte aligned.
         weight: [N, K] contiguous (nn.Linear's layout), same dtype; K a multiple of 8.
         out: [rows, N] contiguous tensor to write into (a new one when None).

@@ -1,4 +1,4 @@
-"""Phase 9: the skinny-GEMM kernel (`y = x @ W.T`, 1 to 8 rows) against float64 and cuBLAS."""
+"""Phase 9: the skinny-GEMM kernel (`y = x @ W.T`, 1 to 16 rows) against float64 and cuBLAS."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ needs_kernels = pytest.mark.skipif(
     not ops.is_available(), reason=ops.unavailable_reason() or "CUDA kernels available"
 )
 DTYPES = [torch.bfloat16, torch.float16]
+# Every row count: one column tile of 8 rows up to 8, two up to 16.
 ROWS = list(range(1, GEMV_MAX_ROWS + 1))
 
 # (K, N) of every linear layer of a decode step: in_features, out_features.
@@ -57,8 +58,8 @@ def test_wrapper_rejects_bad_arguments():
         gemv(x, w.half())
     with pytest.raises(ValueError, match="x: expected 2 dimensions"):
         gemv(x.unsqueeze(0), w)
-    with pytest.raises(ValueError, match="x: 9 rows"):
-        gemv(torch.randn(9, 64, **bf16), w)
+    with pytest.raises(ValueError, match=f"x: {GEMV_MAX_ROWS + 1} rows"):
+        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64, **bf16), w)
     with pytest.raises(ValueError, match="x: 0 rows"):
         gemv(torch.randn(0, 64, **bf16), w)
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -158,7 +159,7 @@ def test_gemv_odd_shapes(k, n, dtype):
 def test_gemv_every_split(k, n, splits):
     """Each number of warps per tile of rows, whatever the heuristic would pick (with
     more warps than chunks of K, some warps add nothing)."""
-    _check_shape(k, n, torch.bfloat16, [1, 3, 8], splits=splits)
+    _check_shape(k, n, torch.bfloat16, [1, 3, 8, 9, 16], splits=splits)
 
 
 @needs_kernels
@@ -167,7 +168,7 @@ def test_gemv_every_split(k, n, splits):
 def test_gemv_reads_strided_rows(dtype):
     """x a view of wider rows (row stride > K), as a slice of a fused output is."""
     _check_shape(2048, 1000, dtype, ROWS, x_pad=64)
-    _check_shape(1024, 4096, dtype, [1, 8], x_pad=16)
+    _check_shape(1024, 4096, dtype, [1, 8, 12, 16], x_pad=16)
 
 
 @needs_kernels
@@ -177,7 +178,8 @@ def test_gemv_usable_on_cuda():
     x, w = torch.randn(4, 64, device=dev, dtype=bf16), torch.randn(32, 64, device=dev, dtype=bf16)
     assert gemv_usable(x, w)
     assert gemv_usable(torch.randn(2, 128, device=dev, dtype=bf16)[:, 64:], w)  # strided rows
-    assert not gemv_usable(torch.randn(9, 64, device=dev, dtype=bf16), w)  # too many rows
+    assert gemv_usable(torch.randn(GEMV_MAX_ROWS, 64, device=dev, dtype=bf16), w)
+    assert not gemv_usable(torch.randn(GEMV_MAX_ROWS + 1, 64, device=dev, dtype=bf16), w)
     assert not gemv_usable(x.float(), w.float())
     assert not gemv_usable(x, w.half())
     assert not gemv_usable(x.unsqueeze(0), w)
@@ -189,7 +191,7 @@ def test_gemv_usable_on_cuda():
 
 @needs_kernels
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("rows", [1, 5, 8, 11, 16])
 def test_gemv_in_cuda_graph(rows):
     """Captured once, replayed on new inputs: no host sync, no allocation in the launch."""
     dev, dtype = "cuda", torch.bfloat16
