@@ -6,7 +6,7 @@
 #   bash scripts/gpu_phase9.sh                          # all stages
 #   STAGES="build tests" bash scripts/gpu_phase9.sh
 #   BENCH="throughput latency" BACKENDS="mini-vllm transformers" bash scripts/gpu_phase9.sh
-#   BENCH="serving kernels_v7" bash scripts/gpu_phase9.sh        # also: step_profile
+#   BENCH="serving kernels_v7 kernels_gemv" bash scripts/gpu_phase9.sh   # also: step_profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-out}"
@@ -57,6 +57,10 @@ if stage bench; then
   if bench serving; then  # needs fastapi, uvicorn and pydantic (the package's dependencies)
     timeout 300 "$PY" benchmarks/serving.py --launch --compare-offline --request-rates 16 inf \
       --num-requests 256 --output "$OUT/serving.json" 2>&1 | tail -8
+  fi
+  if bench kernels_gemv; then
+    timeout 200 "$PY" benchmarks/kernels.py --tables gemv --out "$OUT/kernels_gemv_h200.json" \
+      2>&1 | tail -14
   fi
   if bench kernels_v7; then
     timeout 360 "$PY" benchmarks/kernels.py --tables v7 v7parts --out "$OUT/kernels_v7_h200.json" \

@@ -10,12 +10,11 @@ Public API:
     reshape_and_cache        write new tokens' K/V into their cache slots
     prefill_attention        prompts (and prompt chunks after a cached prefix)
     gather_kv_cache          paged K/V -> contiguous rows
-    gemv                     y = x @ W.T for 1 to 8 rows of x (decode's linear layers),
-                             or silu(gate) * up @ W.T (the MLP's down projection)
+    gemv                     y = x @ W.T for 1 to 16 rows of x (decode's linear layers)
     sample_tokens            one token per row of softmax(logits / T), in one pass
 
-On sm_90+ the kernels of a decode step (all but decode attention v7) are
-launched with programmatic dependent launch (csrc/pdl.cuh);
+On sm_90+ the kernels of a decode step are launched with programmatic
+dependent launch (csrc/pdl.cuh);
 `set_programmatic_launch(False)` turns it off.
 """
 

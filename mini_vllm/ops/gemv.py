@@ -51,6 +51,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     Products are summed in float32 and each output is rounded once to the
     dtype, as cuBLAS does; only the order of the additions differs.
 
+    Under programmatic launch (sm_90+) the kernel may read `weight` before the
+    kernel launched just before it has finished (`csrc/gemv.cu`), so that
+    kernel must not be the one that writes `weight`: model weights, written
+    once at load, never are.
+
     Args:
         x: [rows, K], 1 <= rows <= GEMV_MAX_ROWS (16), float16 or bfloat16, rows dense (any row
             stride that is a multiple of 8 elements), 16-byte aligned.
