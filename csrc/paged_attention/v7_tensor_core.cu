@@ -281,18 +281,49 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   const int g = lane >> 2, c = lane & 3;
   const int start = split * p.partition_size;
 
-  // Prologue as in versions 5 and 6: table entries, query and context length
-  // are read together.
+  // Prologue: the partition's table entries and the context length first.
   const int first_block = start >> log2_bs;
   const int table_entries = min(max(p.partition_size >> log2_bs, 1),
                                 p.max_blocks_per_seq - first_block);
   const int* table = p.block_tables + static_cast<int64_t>(seq) * p.max_blocks_per_seq + first_block;
   for (int i = threadIdx.x; i < table_entries; i += NT) s_blocks[i] = table[i];
   const int ctx_entry = p.context_lens[seq];
-  // Launched with PDL: the table and the context length come from the host's
-  // copy before the step's first kernel, which no kernel writes, so they are
-  // read while the kernel before this one drains. Q is that kernel's output.
+  const int ctx = min(min(ctx_entry, p.max_blocks_per_seq << log2_bs),
+                      p.max_splits * p.partition_size);
+  const int end = min(ctx, start + p.partition_size);
+  // Tiles of the partition; warp w takes tiles w, w + WARPS, w + 2 WARPS, ...
+  const int num_tiles = start < ctx ? (end - start + kV7Tile - 1) / kV7Tile : 0;
+  const int my_tiles = warp < num_tiles ? (num_tiles - warp + WARPS - 1) / WARPS : 0;
+  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
+  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
+  const int offset_mask = (1 << log2_bs) - 1;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(v7_smem)) +
+                        warp * STAGES * kStageBytes;
+  __syncthreads();  // s_blocks is ready
+
+  // Fill all stages but one. A group is committed even when empty, so that
+  // "all but the newest STAGES - 1 groups" is always "step i".
+  // Launched with PDL. The table and the context length come from the host's
+  // copy before the step's first kernel, which no kernel writes; the K/V of
+  // every position but the newest (ctx_entry - 1) was written by earlier
+  // steps. So the stages whose tile ends before the newest position are
+  // filled here, while the kernel before this one (which may write the newest
+  // K/V) drains; the rest, and Q (that kernel's output), after the wait.
+  // --8<-- [start:early_fill]
+  int filled = 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    const int tile_start = start + (s * WARPS + warp) * kV7Tile;
+    if (s == filled && s < my_tiles && tile_start + kV7Tile < ctx_entry) {
+      issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, tile_start, end, lane, s_blocks,
+                              first_block, log2_bs, offset_mask, token_stride, k_head, v_head);
+      cp_async_commit();
+      ++filled;
+    }
+  }
   pdl_wait();
+  // --8<-- [end:early_fill]
   // Q of head g (a zero row past the group) as the A operand, 2 registers per
   // kc. Lanes past the group load head 0's row too and drop it: no branches.
   uint32_t qa[KC][2];
@@ -310,18 +341,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   }
   const int64_t out_row = static_cast<int64_t>(seq) * p.num_q_heads + q_head0;
   T* out = static_cast<T*>(p.out) + out_row * HEAD_DIM;
-  const int ctx = min(min(ctx_entry, p.max_blocks_per_seq << log2_bs),
-                      p.max_splits * p.partition_size);
   if (ctx <= 0) {
     if (split == 0) store_zeros<T, HEAD_DIM, GROUP, NT>(out);
     return;
   }
   if (start >= ctx) return;
-  const int end = min(ctx, start + p.partition_size);
   const int num_splits = (ctx + p.partition_size - 1) / p.partition_size;
-  // Tiles of the partition; warp w takes tiles w, w + WARPS, w + 2 WARPS, ...
-  const int num_tiles = (end - start + kV7Tile - 1) / kV7Tile;
-  const int my_tiles = warp < num_tiles ? (num_tiles - warp + WARPS - 1) / WARPS : 0;
 
   float m = -INFINITY, l = 0.0f, o[KC][4];
 #pragma unroll
@@ -330,24 +355,16 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     for (int j = 0; j < 4; ++j) o[mt][j] = 0.0f;
   }
   const float kscale = p.scale * kLog2e;
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
-  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
-  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
-  const int offset_mask = (1 << log2_bs) - 1;
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(v7_smem)) +
-                        warp * STAGES * kStageBytes;
-  __syncthreads();  // s_blocks is ready
-
-  // Fill all stages but one. A group is committed even when empty, so that
-  // "all but the newest STAGES - 1 groups" is always "step i".
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < my_tiles) {
-      issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, start + (s * WARPS + warp) * kV7Tile,
-                              end, lane, s_blocks, first_block, log2_bs, offset_mask,
-                              token_stride, k_head, v_head);
+    if (s >= filled) {
+      if (s < my_tiles) {
+        issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, start + (s * WARPS + warp) * kV7Tile,
+                                end, lane, s_blocks, first_block, log2_bs, offset_mask,
+                                token_stride, k_head, v_head);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
   }
   int read_stage = 0, write_stage = STAGES - 1;
   for (int i = 0; i < my_tiles; ++i) {

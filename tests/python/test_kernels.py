@@ -292,6 +292,50 @@ def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int]
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(("unroll", "stages"), [(0, 0), (2, 4), (4, 2)], ids=str)
+def test_decode_v7_sees_the_kv_written_just_before(unroll: int, stages: int) -> None:
+    """Under programmatic launch v7 fills the stages of its ring whose tiles end before
+    the newest position while the kernel before it still runs. Here that kernel is a
+    long `reshape_and_cache` (64k tokens into spare blocks) whose last blocks store
+    each sequence's newest K/V into a slot that held NaN until then: attention must
+    see the new values, at contexts on and around the edges of tiles and blocks, call
+    after call."""
+    num_q_heads, num_kv_heads, head_dim = 16, 8, 128
+    block_size, dtype, spare_blocks = 16, torch.bfloat16, 4096
+    gen = _gen("v7 newest", unroll, stages)
+    lens = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 96, 97, 127, 128, 129,
+            200, 1000, 4097]
+    k_cache, v_cache, tables, lens_t = _paged_batch(lens, block_size, num_kv_heads, head_dim,
+                                                    dtype, "cuda", gen)
+    num_blocks = k_cache.shape[0]
+    spare = torch.zeros((spare_blocks, *k_cache.shape[1:]), dtype=dtype, device="cuda")
+    k_cache, v_cache = torch.cat([k_cache, spare]), torch.cat([v_cache, spare])
+    newest = torch.tensor([n - 1 for n in lens], device="cuda")
+    rows = torch.arange(len(lens), device="cuda")
+    newest_slots = tables[rows, newest // block_size].long() * block_size + newest % block_size
+    spare_slots = torch.arange(num_blocks * block_size, (num_blocks + spare_blocks) * block_size,
+                               device="cuda")
+    slots = torch.cat([spare_slots, newest_slots])  # the newest last: the last blocks store them
+    kv_shape = (len(slots), num_kv_heads, head_dim)
+    new_k = torch.randn(kv_shape, generator=gen, device="cuda").to(dtype)
+    new_v = torch.randn(kv_shape, generator=gen, device="cuda").to(dtype)
+    query = torch.randn((len(lens), num_q_heads, head_dim), generator=gen,
+                        device="cuda").to(dtype)
+    scale = head_dim ** -0.5
+    outs = [torch.empty_like(query) for _ in range(20)]  # no kernel between the two calls
+    for out in outs:
+        k_cache.view(-1, num_kv_heads, head_dim)[newest_slots] = float("nan")
+        v_cache.view(-1, num_kv_heads, head_dim)[newest_slots] = float("nan")
+        ops.reshape_and_cache(new_k, new_v, k_cache, v_cache, slots)
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, lens_t, scale, max(lens),
+                                   out=out, version=7, unroll=unroll, stages=stages)
+    ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens_t, scale)
+    for out in outs:
+        _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
 def test_decode_v7_unsupported_says_so() -> None:
     gen = _gen("v7 unsupported")
     k_cache, v_cache, tables, lens = _paged_batch([40], 16, 2, 32, torch.bfloat16, "cuda", gen)
