@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
 
   // Launched with PDL (pdl.cuh): x comes from the kernel before. W depends on
   // no kernel: with PRELOAD (see launch_gemv) the first batch of it is loaded
-  // before the wait, while the kernel before still runs. For Qwen3's layers
-  // that is all the W a warp reads.
+  // before the wait, while the kernel before still runs. For Qwen3-0.6B's
+  // layers that is all the W a warp reads.
   if (PRELOAD) load_w(split);
   pdl_launch_dependents();
   pdl_wait();
