@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
     }
   };
 
+  // --8<-- [start:gemv_preload]
   // Launched with PDL (pdl.cuh): x comes from the kernel before. W depends on
   // no kernel: with PRELOAD (see launch_gemv) the first batch of it is loaded
   // before the wait, while the kernel before still runs. For Qwen3-0.6B's
@@ -149,6 +150,7 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
       for (int j = 0; j < NT; ++j) mma_chunk<T>(d[j], a_lo[u], a_hi[u], b[u][j]);
     }
   }
+  // --8<-- [end:gemv_preload]
 
   // d[j][0], d[j][1]: W row row0 + g, x rows 8j + 2q, 8j + 2q + 1; d[j][2],
   // d[j][3]: W row row0 + g + 8. The S warps' partial tiles are added in a
