@@ -36,6 +36,7 @@
 // Split-K, the (m, l) bookkeeping and the combine are those of versions 3-6.
 #include "decode_common.cuh"
 #include "dispatch.cuh"
+#include "tensor_core_tile.cuh"
 #include "../cp_async.cuh"
 #include "../mma.cuh"
 
@@ -52,10 +53,8 @@
 namespace mini_vllm {
 namespace {
 
-// Tokens per warp per step: the N of two S tiles, the K of one P·V mma. A
-// tile starts at a multiple of 16 tokens, so with block_size >= 16 its 16
-// rows lie in one cache block (one table lookup per tile).
-constexpr int kV7Tile = 16;
+using namespace tc_tile;
+
 // Warps per CTA and stages per warp. One stage is 16 tokens x (K + V) x
 // head_dim x 2 B = 8 KB at head_dim 128, so the default ring is 2 x 3 x 8 KB
 // = 48 KB: four CTAs (8 warps) fit an H200 SM, with up to 128 KB in flight,
@@ -70,188 +69,6 @@ constexpr int kV7Stages = 3;
 constexpr int kV7WideWarps = 4;
 constexpr int kV7WideStages = 2;
 constexpr int kV7WideMinCtasPerSm = 12;
-
-// --8<-- [start:ptx]
-// cp_async16, cp_async_commit and cp_async_wait: csrc/cp_async.cuh.
-
-// Four 8x8 matrices of 16-bit elements from shared memory. Lane l gives the
-// address of row l % 8 of matrix l / 8 (16 contiguous bytes); matrix j lands
-// in r[j], where lane (g, c) holds its row g, columns 2c and 2c+1 (with
-// .trans: its rows 2c and 2c+1 of column g), the lower index in the low half.
-// The "memory" clobber keeps the read after the barrier that publishes the
-// stage (cp.async.wait_group + __syncwarp) and before the one that frees it.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr)
-               : "memory");
-}
-
-// mma_16x8x16 (d += a b on the tensor cores): csrc/mma.cuh, shared with the GEMV.
-// --8<-- [end:ptx]
-
-// Two floats -> one register of two 16-bit elements, `lo` in the low half.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// --8<-- [start:swizzle]
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of shared
-// memory. A row (one token, one head) is head_dim / 8 chunks; chunk c of row
-// r is stored at position c ^ (r % 8), so the 8 rows one ldmatrix matrix
-// reads at the same chunk land in 8 different groups of 4 banks:
-//
-//   position:  0 1 2 3 4 5 6 7 | 8 ...
-//   row 0:     0 1 2 3 4 5 6 7 | 8 ...     (the chunk stored there)
-//   row 1:     1 0 3 2 5 4 7 6 | 9 ...
-//   row 2:     2 3 0 1 6 7 4 5 | 10 ...
-template <int HEAD_DIM>
-__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
-  static_assert(HEAD_DIM / 8 >= 8, "the swizzle needs at least 8 chunks per row");
-  return static_cast<uint32_t>(row * HEAD_DIM * 2 + ((chunk ^ (row & 7)) << 4));
-}
-// --8<-- [end:swizzle]
-
-// Issue the copies of one tile (16 tokens from t0, a multiple of 16) into a
-// stage: K rows at `stage`, V rows one tile further. Lane l copies chunk
-// l % CPR of rows l / CPR, l / CPR + 32 / CPR, ... (CPR: chunks per row), so
-// a warp-wide copy instruction reads whole rows, contiguous in global memory.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int end, int lane,
-                                           const int* s_blocks, int first_block, int log2_bs,
-                                           int offset_mask, int64_t token_stride,
-                                           const T* k_head, const T* v_head) {
-  constexpr int CPR = HEAD_DIM / 8;
-  constexpr int ROWS_PER_COPY = 32 / CPR;
-  constexpr uint32_t kTileBytes = kV7Tile * HEAD_DIM * 2;
-  const int chunk = lane % CPR, row0 = lane / CPR;
-  // The tile's 16 slots are consecutive: one block, one table entry.
-  const int64_t slot0 = (static_cast<int64_t>(s_blocks[(t0 >> log2_bs) - first_block])
-                         << log2_bs) + (t0 & offset_mask);
-  const T* k = k_head + slot0 * token_stride + chunk * 8;
-  const T* v = v_head + slot0 * token_stride + chunk * 8;
-#pragma unroll
-  for (int i = 0; i < kV7Tile / ROWS_PER_COPY; ++i) {
-    const int row = row0 + i * ROWS_PER_COPY;
-    // Rows past `end` are zero-filled; their address is still inside the
-    // tile's block, which the sequence owns.
-    const bool valid = t0 + row < end;
-    const uint32_t dst = stage + tile_offset<HEAD_DIM>(row, chunk);
-    cp_async16(dst, k + row * token_stride, valid);
-    cp_async16(dst + kTileBytes, v + row * token_stride, valid);
-  }
-}
-
-// --8<-- [start:tile]
-// Fold one tile of 16 tokens (K and V in `stage`) into the warp's state.
-//   qa: Q as mma A operand, per 16 columns kc of head_dim: rows g (and g+8,
-//       always zero) -> {a0, a2} = Q[g][16kc + 2c, +1], Q[g][16kc + 8 + 2c, +1]
-//   m, l: head g's running max (log2 units) and this lane's share of its sum
-//   o: Oᵀ, per 16 rows mt of head_dim: o[mt] = rows 16mt + g, 16mt + g + 8,
-//      columns (query heads) 2c, 2c+1
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void compute_tile(uint32_t stage, int t0, int end, int lane,
-                                             float kscale,
-                                             const uint32_t (&qa)[HEAD_DIM / 16][2],
-                                             float& m, float& l,
-                                             float (&o)[HEAD_DIM / 16][4]) {
-  constexpr int CPR = HEAD_DIM / 8;
-  constexpr uint32_t kTileBytes = kV7Tile * HEAD_DIM * 2;
-  const int c = lane & 3, r8 = lane & 7, mat = lane >> 3;
-
-  // S = Q Kᵀ as two 16x8 tiles: s[nt] holds head g x tokens 8nt + 2c, +1.
-  // B operand of column-block kc (head_dim 16kc .. 16kc+15), tokens 8nt..:
-  // b0 = K[8nt + g][16kc + 2c, +1] = row g, cols 2c, 2c+1 of the 8x8 matrix
-  // (tokens 8nt.., chunk 2kc); b1 = the same at chunk 2kc + 1. One ldmatrix.x4
-  // reads chunks 4q .. 4q+3: b0, b1 of kc = 2q, then of kc = 2q + 1.
-  float s[2][4];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[nt][j] = 0.0f;
-#pragma unroll
-    for (int q = 0; q < CPR / 4; ++q) {
-      uint32_t b[4];
-      ldmatrix_x4(b, stage + tile_offset<HEAD_DIM>(8 * nt + r8, 4 * q + mat));
-      mma_16x8x16<T>(s[nt], qa[2 * q][0], 0u, qa[2 * q][1], 0u, b[0], b[1]);
-      mma_16x8x16<T>(s[nt], qa[2 * q + 1][0], 0u, qa[2 * q + 1][1], 0u, b[2], b[3]);
-    }
-  }
-
-  // Online softmax of head g over the tile; s[nt][2], s[nt][3] are the zero
-  // rows g + 8. The four lanes of quad g hold the tile's 16 tokens.
-  float x[2][2];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const bool valid = t0 + 8 * nt + 2 * c + j < end;
-      x[nt][j] = valid ? s[nt][j] * kscale : -INFINITY;
-      mx = fmaxf(mx, x[nt][j]);
-    }
-  }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(m, mx);
-  const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-  const float alpha = exp2f(m - m_use);
-  m = m_new;
-  float sum = 0.0f;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      x[nt][j] = exp2f(x[nt][j] - m_use);
-      sum += x[nt][j];
-    }
-  }
-  l = l * alpha + sum;
-  // Oᵀ's columns in this lane are heads 2c and 2c+1, whose factors live in
-  // quads 2c and 2c+1.
-  const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * c);
-  const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
-
-  // Pᵀ as B operand (k: the 16 tokens, n: heads): b0 = P[g][2c, 2c+1],
-  // b1 = P[g][2c+8, 2c+9], exactly what this lane holds.
-  const uint32_t pb0 = pack2<T>(x[0][0], x[0][1]);
-  const uint32_t pb1 = pack2<T>(x[1][0], x[1][1]);
-  // Vᵀ as A operand of rows 16mt .. 16mt+15 (head_dim): a0 = V[2c, 2c+1][16mt + g]
-  // = rows 2c, 2c+1 of column g of the 8x8 matrix (tokens 0-7, chunk 2mt), read
-  // with .trans; a1: chunk 2mt+1; a2, a3: tokens 8-15. Lane l addresses row
-  // l % 8 + 8 (l / 16) at chunk 2mt + (l / 8) % 2.
-  const uint32_t v_stage = stage + kTileBytes;
-  const int v_row = r8 + 8 * (lane >> 4);
-#pragma unroll
-  for (int mt = 0; mt < HEAD_DIM / 16; ++mt) {
-    o[mt][0] *= alpha0;
-    o[mt][1] *= alpha1;
-    o[mt][2] *= alpha0;
-    o[mt][3] *= alpha1;
-    uint32_t a[4];
-    ldmatrix_x4_trans(a, v_stage + tile_offset<HEAD_DIM>(v_row, 2 * mt + (mat & 1)));
-    mma_16x8x16<T>(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
-  }
-}
-// --8<-- [end:tile]
 
 // The ring, and what it becomes after the loop: the end-of-CTA merge.
 template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
