@@ -27,6 +27,12 @@ enum class DType : int {
 //   out          [num_seqs, num_q_heads, head_dim] contiguous
 //   part_out     [num_seqs, num_q_heads, max_splits, head_dim] float32 (split-K only)
 //   part_ml      [num_seqs, num_q_heads, max_splits, 2]        float32 (split-K only)
+//   counters     [num_seqs, num_q_heads / heads per CTA]     int32, zero (version 8 only)
+//
+// Version 8 uses part_out / part_ml as two slots per CTA of a persistent grid
+// of at most max_splits CTAs: [2 max_splits, heads per CTA, head_dim] and
+// [2 max_splits, heads per CTA, 2]. Its counters must be zero before a launch
+// and are zero again after it.
 struct DecodeParams {
   void* out = nullptr;
   const void* q = nullptr;
@@ -36,6 +42,7 @@ struct DecodeParams {
   const int32_t* context_lens = nullptr;
   float* part_out = nullptr;
   float* part_ml = nullptr;
+  int32_t* counters = nullptr;
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -71,6 +78,7 @@ void paged_attention_v4(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v5(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v6(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v7(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v8(const DecodeParams& p, cudaStream_t stream);
 
 // New tokens' K and V into their cache slots (slot -1: skip).
 struct CacheWriteParams {

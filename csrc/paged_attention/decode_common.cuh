@@ -121,10 +121,11 @@ __device__ __forceinline__ void merge_lanes_and_store(
 }
 // --8<-- [end:merge]
 
-// A sequence with no tokens (a padded batch slot) gets zeros, not garbage.
+// A sequence with no tokens (a padded batch slot) gets zeros, not garbage:
+// GROUP heads, or `heads` when given.
 template <typename T, int HEAD_DIM, int GROUP, int NT>
-__device__ __forceinline__ void store_zeros(T* out) {
-  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += NT) {
+__device__ __forceinline__ void store_zeros(T* out, int heads = GROUP) {
+  for (int idx = threadIdx.x; idx < heads * HEAD_DIM; idx += NT) {
     out[idx] = TypeTraits<T>::from_float(0.0f);
   }
 }

@@ -21,7 +21,7 @@ from mini_vllm.ops._checks import (
 )
 from mini_vllm.ops._extension import dtype_code, extension, num_sms
 
-DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 # Version 7 (tensor cores) where it applies, version 5 for the rest (head_dim
 # 32, blocks of fewer than 16 tokens): measured on an H200, 7 is 1-3 % faster
 # than 5 at every shape of chapter 8's table and 1.5x at Qwen3-8B's heads.
@@ -50,6 +50,29 @@ _V5_MAX_HEADS_PER_CTA = 2
 # needs block_size >= 16 and partitions that are multiples of 16 tokens.
 V7_TILE_TOKENS = 16
 V7_HEAD_DIMS = (64, 128)
+# Version 8 runs version 7's tiles on a persistent grid of at most this many
+# CTAs per SM (it launches as many as fit, 4 on an H200); its workspace holds
+# two partial results per CTA.
+V8_MAX_CTAS_PER_SM = 8
+_v8_counters: dict[torch.device, torch.Tensor] = {}
+_v8_retired: list[torch.Tensor] = []
+
+
+def v8_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Version 8's per-pair arrival counters on `device`: zeros, at least `size` of them.
+
+    The kernel leaves them zero after every launch, so one buffer serves every
+    call (and every CUDA graph) on the device's streams in order. A larger
+    request allocates a new buffer; the old one stays referenced, since a
+    captured graph may still use it.
+    """
+    have = _v8_counters.get(device)
+    if have is None or have.numel() < size:
+        fresh = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        if have is not None:
+            _v8_retired.append(have)
+        _v8_counters[device] = have = fresh
+    return have
 
 
 def default_decode_version(head_dim: int, block_size: int) -> int:
@@ -161,9 +184,12 @@ def paged_decode_attention(
             device sync). Under CUDA graphs pass the same bound (e.g.
             max_model_len) at capture and replay.
         out: optional [num_seqs, num_q_heads, head_dim] contiguous output.
-        version: kernel version 1-7 (see chapter 8); None: the one the
+        version: kernel version 1-8 (see chapter 8); None: the one the
             engine uses, `default_decode_version(head_dim, block_size)`. Version 7 does Q·Kᵀ and P·V on the
-            tensor cores, one CTA per KV head for its whole GQA group.
+            tensor cores, one CTA per KV head for its whole GQA group; version 8
+            runs the same tiles stream-K over a persistent grid (slower than
+            7 on an H200, kept for comparison; no unroll, stages or
+            partition_size).
         partition_size: tokens per split (power of two, >= 16) for versions
             3-7; None picks one from the batch shape (`decode_partition_size`).
         unroll: tokens per lane per step in versions 4-6 (0: default;
@@ -219,12 +245,16 @@ def paged_decode_attention(
         raise ValueError(f"stages must be >= 0, got {stages}")
     if stages and version not in (6, 7):
         raise ValueError(f"stages applies to versions 6 and 7 only, not to version {version}")
-    if version == 7:
+    if version in (7, 8):
         if head_dim not in V7_HEAD_DIMS:
-            raise ValueError(f"version 7 supports head_dim {V7_HEAD_DIMS}, not {head_dim}")
+            raise ValueError(f"version {version} supports head_dim {V7_HEAD_DIMS}, "
+                             f"not {head_dim}")
         if block_size < V7_TILE_TOKENS:
-            raise ValueError(f"version 7 needs block_size >= {V7_TILE_TOKENS}, "
+            raise ValueError(f"version {version} needs block_size >= {V7_TILE_TOKENS}, "
                              f"got {block_size}")
+    if version == 8 and (unroll or stages or partition_size is not None):
+        raise ValueError("version 8 takes no unroll, stages or partition_size: it cuts the "
+                         "work itself")
     if partition_size is not None and (partition_size < 16
                                        or partition_size & (partition_size - 1)):
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
@@ -246,18 +276,28 @@ def paged_decode_attention(
         return out
 
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
-    if partition_size is None or version < 3:
-        partition_size, max_splits = decode_grid(num_seqs, num_q_heads, num_kv_heads,
-                                                 max_context_len, num_sms(device), version,
-                                                 group_per_cta)
+    counters = None
+    if version == 8:
+        # A persistent grid: max_splits is the CTAs the workspace holds.
+        partition_size, max_splits = V7_TILE_TOKENS, V8_MAX_CTAS_PER_SM * num_sms(device)
+        part_out = torch.empty((2 * max_splits, group_per_cta, head_dim), dtype=torch.float32,
+                               device=device)
+        part_ml = torch.empty((2 * max_splits, group_per_cta, 2), dtype=torch.float32,
+                              device=device)
+        counters = v8_counters(device, num_seqs * (num_q_heads // group_per_cta))
     else:
-        max_splits = max(1, -(-max_context_len // partition_size))
-    part_out = part_ml = None
-    if max_splits > 1:
-        part_out = torch.empty((num_seqs, num_q_heads, max_splits, head_dim),
-                               dtype=torch.float32, device=device)
-        part_ml = torch.empty((num_seqs, num_q_heads, max_splits, 2),
-                              dtype=torch.float32, device=device)
+        if partition_size is None or version < 3:
+            partition_size, max_splits = decode_grid(num_seqs, num_q_heads, num_kv_heads,
+                                                     max_context_len, num_sms(device), version,
+                                                     group_per_cta)
+        else:
+            max_splits = max(1, -(-max_context_len // partition_size))
+        part_out = part_ml = None
+        if max_splits > 1:
+            part_out = torch.empty((num_seqs, num_q_heads, max_splits, head_dim),
+                                   dtype=torch.float32, device=device)
+            part_ml = torch.empty((num_seqs, num_q_heads, max_splits, 2),
+                                  dtype=torch.float32, device=device)
     with torch.cuda.device(device):
         ext.paged_attention_decode(
             version, out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -267,5 +307,5 @@ def paged_decode_attention(
             num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
             query.stride(0), max_context_len, partition_size, max_splits, float(scale),
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
-            cluster, group_per_cta, stages)
+            cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr())
     return out

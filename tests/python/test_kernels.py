@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mini_vllm import ops
-from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, decode_grid, heads_per_cta
+from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, decode_grid, heads_per_cta, v8_counters
 from mini_vllm.ops.reference import (
     gather_context_ref,
     paged_decode_attention_ref,
@@ -38,13 +38,13 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_SHAPES = ((16, 8, 128), (32, 8, 128), (4, 2, 32), (16, 2, 64), (40, 8, 128), (8, 8, 64))
 # The versions an engine would pick (the default among them): each is held to
 # every shape, dtype and block size below.
-FAST_VERSIONS = (5, 6, 7)
+FAST_VERSIONS = (5, 6, 7, 8)
 
 
 def _unsupported(version: int, heads: tuple[int, int, int]) -> str | None:
     """What the wrapper says when `version` cannot serve these heads (None: it can)."""
-    if version == 7 and heads[2] not in V7_HEAD_DIMS:
-        return f"version 7 supports head_dim .* not {heads[2]}"
+    if version in (7, 8) and heads[2] not in V7_HEAD_DIMS:
+        return f"version {version} supports head_dim .* not {heads[2]}"
     return None
 
 
@@ -336,6 +336,43 @@ def test_decode_v7_sees_the_kv_written_just_before(unroll: int, stages: int) -> 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(("batch", "max_ctx", "zeros"),
+                         [(1, 8192, 0), (2, 100, 0), (5, 3000, 2), (64, 1024, 0),
+                          (128, 4096, 0), (200, 2048, 17), (256, 600, 0), (700, 64, 9)])
+@pytest.mark.parametrize("heads", [(16, 8, 128), (32, 8, 128), (64, 8, 64)], ids=str)
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_decode_v8_stream_k(batch: int, max_ctx: int, zeros: int,
+                            heads: tuple[int, int, int], block_size: int) -> None:
+    """Version 8 cuts the batch's tiles evenly over a persistent grid, so pairs are cut
+    at arbitrary tiles and merged by whichever CTA finishes last: one long sequence cut
+    in many pieces, short ones wholly inside a CTA, padded slots (context 0) anywhere,
+    more sequences than CTAs. Three calls in a row: the arrival counters must be back
+    at zero after each."""
+    gen = _gen("v8", batch, max_ctx, zeros, heads, block_size)
+    lens = ([max_ctx] if batch == 1 else _context_lens(batch, max_ctx, block_size, gen))
+    idle = torch.randperm(batch, generator=torch.Generator().manual_seed(batch))[:zeros]
+    for i in idle.tolist():
+        lens[i] = 0
+    num_q_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, tables, ctx = _paged_batch([max(n, 1) for n in lens], block_size,
+                                                 num_kv_heads, head_dim, torch.bfloat16,
+                                                 "cuda", gen)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    for _ in range(3):
+        query = (2 * torch.randn((batch, num_q_heads, head_dim), generator=gen,
+                                 device="cuda")).to(torch.bfloat16)
+        out = torch.full_like(query, float("nan"))
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, scale, max(lens),
+                                   out=out, version=8)
+        _assert_close(out, paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx,
+                                                      scale))
+    counters = v8_counters(query.device, 1)
+    assert int(counters.abs().sum()) == 0, "the arrival counters were not reset"
+
+
+@pytest.mark.gpu
+@gpu
 def test_decode_v7_unsupported_says_so() -> None:
     gen = _gen("v7 unsupported")
     k_cache, v_cache, tables, lens = _paged_batch([40], 16, 2, 32, torch.bfloat16, "cuda", gen)
@@ -527,7 +564,11 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"block_tables": torch.ones(2, 3, dtype=torch.int64)}, "block_tables: dtype int64"),
     ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
     ({"out": torch.empty(2, 16, 64, dtype=torch.bfloat16)}, "out: shape"),
-    ({"version": 8}, "version 8 is not one of"),
+    ({"version": 9}, "version 9 is not one of"),
+    ({"version": 8, "partition_size": 64}, "version 8 takes no unroll, stages or partition_size"),
+    ({"version": 8, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "query": torch.randn(2, 4, 32, dtype=torch.bfloat16)}, "version 8 supports head_dim"),
     ({"version": 5, "stages": 3}, "stages applies to versions 6 and 7 only"),
     ({"version": 7, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
       "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
