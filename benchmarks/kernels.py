@@ -36,7 +36,8 @@ tensor-core kernel, as the wrapper picks it and at fixed warps / stages, against
 version 5 and SDPA on contiguous K/V, at the shapes of the bar and at
 Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
-shapes), ``layout`` (one KV head with
+shapes), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
+grid, against version 7 and SDPA on contiguous K/V), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
@@ -519,6 +520,12 @@ def v7_shapes() -> list[tuple[int, int, int, int, int]]:
                                 ((1, 8192), (16, 4096), (64, 1024), (64, 4096), (256, 1024))]
 
 
+def v8_shapes() -> list[tuple[int, int, int, int, int]]:
+    """The pipeline table's shapes, then 66 sequences: 528 CTAs of version 7, exactly
+    one wave on an H200, where version 8's ranges are whole sequences."""
+    return pipeline_shapes() + [(66, 1024, 16, 16, 8), (66, 4096, 16, 16, 8)]
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -564,6 +571,12 @@ def run(args: argparse.Namespace) -> dict:
         result["v7parts"] = bench_decode(pipeline_shapes()[:12], [*variants, "sdpa_contig"],
                                          copy_bw, device, check=False, variants=variants)
         result["v7parts_bar"] = v7_bar_report(result["v7parts"])
+        save()
+    if "v8" in tables:
+        print("v8: version 8 (stream-K over a persistent grid) vs version 7 and SDPA, contiguous")
+        variants = {"ours_v7": {"version": 7}, "ours_v8": {"version": 8}}
+        result["v8"] = bench_decode(v8_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
+                                    variants=variants)
         save()
     # The other fast versions, timed beside `ours` in the same rows.
     others = {f"ours_v{v}": {"version": v} for v in (5, 6, 7) if v != args.version}
@@ -733,6 +746,18 @@ def report(path: Path) -> None:
         print()
         if d.get("v7_bar"):
             print("**v7 bar**:", json.dumps(d["v7_bar"]), "\n")
+    if d.get("v8"):
+        print("**v8** (µs per call; last columns: v8 / v7, v8 / SDPA)\n")
+        print("| batch × context | v7 | v8 | SDPA, contig. | v8 / v7 | v8 / SDPA |")
+        print("|---|---|---|---|---|---|")
+        for r in d["v8"]:
+            us = {n: v["us"] for n, v in r["paths"].items() if "us" in v}
+            if not {"ours_v7", "ours_v8", "sdpa_contig"} <= us.keys():
+                continue
+            print(f"| {r['batch']} × {r['context']} | {us['ours_v7']:.1f} | {us['ours_v8']:.1f} "
+                  f"| {us['sdpa_contig']:.1f} | {us['ours_v8'] / us['ours_v7']:.3f} "
+                  f"| {us['ours_v8'] / us['sdpa_contig']:.3f} |")
+        print()
     if d.get("layout"):
         names = list(d["layout"][0]["paths"])
         print("**layout** (2 query / 1 KV head; µs per call)\n")
