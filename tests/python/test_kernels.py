@@ -292,17 +292,20 @@ def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int]
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize(("unroll", "stages"), [(0, 0), (2, 4), (4, 2)], ids=str)
-def test_decode_v7_sees_the_kv_written_just_before(unroll: int, stages: int) -> None:
-    """Under programmatic launch v7 fills the stages of its ring whose tiles end before
-    the newest position while the kernel before it still runs. Here that kernel is a
+@pytest.mark.parametrize(("version", "unroll", "stages"),
+                         [(7, 0, 0), (7, 2, 4), (7, 4, 2), (8, 0, 0)], ids=str)
+def test_decode_v7_sees_the_kv_written_just_before(version: int, unroll: int,
+                                                   stages: int) -> None:
+    """Under programmatic launch v7 (and v8, for its first segment) fills the stages of
+    its ring whose tiles end before the newest position while the kernel before it
+    still runs. Here that kernel is a
     long `reshape_and_cache` (64k tokens into spare blocks) whose last blocks store
     each sequence's newest K/V into a slot that held NaN until then: attention must
     see the new values, at contexts on and around the edges of tiles and blocks, call
     after call."""
     num_q_heads, num_kv_heads, head_dim = 16, 8, 128
     block_size, dtype, spare_blocks = 16, torch.bfloat16, 4096
-    gen = _gen("v7 newest", unroll, stages)
+    gen = _gen("v7 newest", version, unroll, stages)
     lens = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 96, 97, 127, 128, 129,
             200, 1000, 4097]
     k_cache, v_cache, tables, lens_t = _paged_batch(lens, block_size, num_kv_heads, head_dim,
@@ -328,7 +331,7 @@ def test_decode_v7_sees_the_kv_written_just_before(unroll: int, stages: int) -> 
         v_cache.view(-1, num_kv_heads, head_dim)[newest_slots] = float("nan")
         ops.reshape_and_cache(new_k, new_v, k_cache, v_cache, slots)
         ops.paged_decode_attention(query, k_cache, v_cache, tables, lens_t, scale, max(lens),
-                                   out=out, version=7, unroll=unroll, stages=stages)
+                                   out=out, version=version, unroll=unroll, stages=stages)
     ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens_t, scale)
     for out in outs:
         _assert_close(out, ref)
