@@ -32,6 +32,11 @@ int device_attribute(cudaDeviceAttr attr);
 // per (device, kernel, threads, smem) and remembered (csrc/device.cu).
 int resident_blocks_per_sm(const void* kernel, int threads, size_t smem);
 
+// Let `kernel` use `bytes` of dynamic shared memory and ask for the largest
+// shared-memory carveout (K/V bypass L1); set on the current device the first
+// time, and again only when more is asked (csrc/device.cu).
+void allow_dynamic_smem(const void* kernel, size_t bytes);
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 inline int log2_exact(int x) {

@@ -1,5 +1,6 @@
 // Facts about the current device that the launchers consult on every launch.
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <utility>
 
@@ -30,6 +31,23 @@ int resident_blocks_per_sm(const void* kernel, int threads, size_t smem) {
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   }
   return it->second;
+}
+
+void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, size_t> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto [it, added] = allowed.try_emplace({device, kernel}, 0);
+  if (!added && it->second >= bytes) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared),
+             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
+  it->second = bytes;
 }
 
 }  // namespace mini_vllm

@@ -23,9 +23,6 @@
 #include "../cp_async.cuh"
 
 #include <algorithm>
-#include <mutex>
-#include <set>
-#include <tuple>
 #include <type_traits>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -271,25 +268,6 @@ V6Kernel select_v6_kernel(int unroll, int stages) {
                               std::to_string(s) + " is not built");
 }
 
-// Allow a kernel the dynamic shared memory it may need and ask for the
-// largest shared-memory carveout (K/V bypass L1), once per kernel and device.
-void configure_v6_kernel(V6Fn fn, size_t max_smem) {
-  static std::mutex mutex;
-  static std::set<std::tuple<const void*, int>> done;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(fn), device);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (done.count(key) != 0) return;
-  check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(max_smem)),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared),
-             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
-  done.insert(key);
-}
-
 constexpr size_t kV6MaxTableBytes = 32 * 1024;
 
 template <typename T, int HEAD_DIM, int GROUP>
@@ -310,7 +288,7 @@ struct LaunchV6 {
     if (table > kV6MaxTableBytes) {
       throw std::invalid_argument("partition_size / block_size is too large for version 6");
     }
-    configure_v6_kernel(k.fn, pipe + kV6MaxTableBytes);
+    allow_dynamic_smem(reinterpret_cast<const void*>(k.fn), pipe + kV6MaxTableBytes);
     const dim3 grid(p.num_q_heads / GROUP, p.max_splits, p.num_seqs);
     k.fn<<<grid, kV6Threads, pipe + table, stream>>>(p, log2_bs);
     MINI_VLLM_CHECK_LAUNCH("paged_attention_v6_kernel");

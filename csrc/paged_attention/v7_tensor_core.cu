@@ -41,9 +41,6 @@
 #include "../mma.cuh"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -303,29 +300,13 @@ V7Kernel select_v7_kernel(int warps, int stages, bool many_waves) {
 
 constexpr size_t kV7MaxTableBytes = 32 * 1024;
 
-// Once per kernel and device: allow the ring plus the largest table of block
-// entries (as far as the GPU allows) and ask for the largest shared-memory
-// carveout. Returns the dynamic shared memory the kernel may use.
+// Allow the ring plus the largest table of block entries (as far as the GPU
+// allows). Returns the dynamic shared memory the kernel may use.
 size_t allow_v7_smem(V7Fn fn, size_t pipe_bytes) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int>, size_t> allowed;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(fn), device);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = allowed.find(key);
-  if (it != allowed.end()) return it->second;
-  int optin = 0;
-  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  const size_t bytes = std::min(pipe_bytes + kV7MaxTableBytes, static_cast<size_t>(optin));
-  check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                  cudaSharedmemCarveoutMaxShared),
-             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
-  allowed[key] = bytes;
+  const size_t bytes =
+      std::min(pipe_bytes + kV7MaxTableBytes,
+               static_cast<size_t>(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin)));
+  allow_dynamic_smem(reinterpret_cast<const void*>(fn), bytes);
   return bytes;
 }
 

@@ -32,9 +32,7 @@
 #include "dispatch.cuh"
 #include "tensor_core_tile.cuh"
 
-#include <map>
-#include <mutex>
-#include <tuple>
+#include <algorithm>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "version 8 needs mma.sync m16n8k16 with bf16 and cp.async (sm_80 or newer)"
@@ -439,7 +437,7 @@ struct LaunchV8 {
             "memory: " + std::to_string(smem) + " bytes, more than the GPU's " +
             std::to_string(optin) + " (use version 7)");
       }
-      allow_v8_smem(reinterpret_cast<const void*>(fn), smem);
+      allow_dynamic_smem(reinterpret_cast<const void*>(fn), smem);
       // As many CTAs as are resident at once, no more than the workspace
       // holds, in whole ranges of one CTA per head group.
       const int groups = p.num_q_heads / GROUP;
@@ -455,26 +453,6 @@ struct LaunchV8 {
       launch_kernel(fn, dim3(ctas), dim3(threads), smem, stream, "paged_attention_v8_kernel",
                     p, log2_bs);
     }
-  }
-
-  // Once per kernel, device and size: let the kernel use `bytes` of dynamic
-  // shared memory, with the largest carveout.
-  static void allow_v8_smem(const void* fn, size_t bytes) {
-    static std::mutex mutex;
-    static std::map<std::tuple<const void*, int>, size_t> allowed;
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    const auto key = std::make_tuple(fn, device);
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto it = allowed.find(key);
-    if (it != allowed.end() && it->second >= bytes) return;
-    check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(bytes)),
-               "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-    check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared),
-               "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
-    allowed[key] = bytes;
   }
 };
 
