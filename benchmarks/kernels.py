@@ -25,6 +25,7 @@ Run it from the repository root after ``bash scripts/build_kernels.sh``::
     python benchmarks/kernels.py                      # all tables -> JSON + printed table
     python benchmarks/kernels.py --tables main --out main.json
     python benchmarks/kernels.py --tables v7 --out v7.json  # version 7 vs 5 vs SDPA, ~3 min
+    python benchmarks/kernels.py --tables mixed --out benchmarks/results/kernels_mixed_h200.json
     python benchmarks/kernels.py --dry-run            # tiny shapes, checks every path (CPU ok)
     python benchmarks/kernels.py --report benchmarks/results/kernels_h200.json  # markdown tables
 
@@ -37,7 +38,9 @@ version 5 and SDPA on contiguous K/V, at the shapes of the bar and at
 Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
 shapes), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
-grid, against version 7 and SDPA on contiguous K/V), ``layout`` (one KV head with
+grid, against version 7 and SDPA on contiguous K/V), ``mixed`` (version 7 on
+batches whose contexts differ as in the standard workload's decode steps, its
+grid taking the sequences in the drawn order or longest first), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
@@ -51,6 +54,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -492,6 +496,119 @@ def v7_bar_report(rows: list[dict]) -> dict:
     return res
 
 
+# ----------------------------------------------------------------------------
+# Mixed context lengths: what a decode step of the standard workload looks like
+# ----------------------------------------------------------------------------
+MIXED_BATCHES = (32, 64, 128, 192, 256)
+
+
+def mixed_lengths(batch: int, seed: int = 0) -> list[int]:
+    """Context lengths as the standard workload's decode steps see them: a prompt
+    of randint(100, 1024) tokens plus 0 to 1023 tokens generated so far."""
+    rng = random.Random(seed)
+    return [rng.randint(100, 1024) + rng.randint(0, 1023) for _ in range(batch)]
+
+
+class MixedCase:
+    """R rotations of one decode batch whose sequences have different lengths."""
+
+    def __init__(self, lens: list[int], device: torch.device, num_q_heads: int = 16,
+                 num_kv_heads: int = 8, block_size: int = 16) -> None:
+        torch.manual_seed(0)
+        self.lens, self.batch, self.block_size = lens, len(lens), block_size
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        kv_bytes = 2 * sum(lens) * num_kv_heads * HEAD_DIM * 2
+        self.rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        blocks = [math.ceil(n / block_size) for n in lens]
+        num_blocks = self.rotations * sum(blocks) + 1
+        shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        self.k_cache = torch.randn(shape, dtype=DTYPE, device=device)
+        self.v_cache = torch.randn(shape, dtype=DTYPE, device=device)
+        perm = (torch.randperm(num_blocks - 1) + 1).to(torch.int32).tolist()
+        self.block_tables = []
+        for _ in range(self.rotations):
+            table = torch.zeros((self.batch, max(blocks)), dtype=torch.int32)
+            for i, nb in enumerate(blocks):
+                table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+                del perm[:nb]
+            self.block_tables.append(table.to(device))
+        self.context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.queries = [torch.randn((self.batch, num_q_heads, HEAD_DIM), dtype=DTYPE,
+                                    device=device) for _ in range(self.rotations)]
+        self.outs = [torch.empty_like(q) for q in self.queries]
+        self.scale = HEAD_DIM ** -0.5
+
+    @property
+    def bytes_moved(self) -> int:
+        """Q + K + V + output, K/V once per KV head."""
+        q = self.batch * self.num_q_heads * HEAD_DIM * 2
+        return 2 * q + 2 * sum(self.lens) * self.num_kv_heads * HEAD_DIM * 2
+
+    def calls(self, order: torch.Tensor | None, sort_rows: bool = False,
+              **kw: object) -> list[Callable[[], object]]:
+        """Our kernel over every rotation, its grid taking the sequences in `order`;
+        with `sort_rows`, the batch's rows themselves put in `order` first (so any
+        grid, even one that fits at once, takes them in that order)."""
+        calls = []
+        for r in range(self.rotations):
+            q, table, lens, seq_order = (self.queries[r], self.block_tables[r],
+                                         self.context_lens, order)
+            if sort_rows:
+                q, table, lens, seq_order = q[order], table[order], lens[order], None
+            calls.append(lambda q=q, o=self.outs[r], t=table, n=lens, s=seq_order:
+                         ops.paged_decode_attention(q, self.k_cache, self.v_cache, t, n,
+                                                    self.scale, max(self.lens), out=o,
+                                                    seq_order=s, **kw))
+        return calls
+
+    def error(self, order: torch.Tensor | None, sort_rows: bool = False, **kw: object) -> float:
+        """Relative error of rotation 0 against the torch reference."""
+        self.calls(order, sort_rows, **kw)[0]()
+        rows = order if sort_rows else slice(None)
+        ref = paged_decode_attention_ref(self.queries[0][rows], self.k_cache, self.v_cache,
+                                         self.block_tables[0][rows], self.context_lens[rows],
+                                         self.scale).float()
+        return ((self.outs[0].float() - ref).norm() / ref.norm()).item()
+
+
+# name: (order, keyword arguments of MixedCase.calls): "drawn" or "longest" first
+MIXED_PATHS = {
+    "v7": ("drawn", {"version": 7}),
+    "v7_longest_first": ("longest", {"version": 7}),
+    "v7_rows_sorted": ("longest", {"version": 7, "sort_rows": True}),
+    "v7_longest_first_p1024": ("longest", {"version": 7, "partition_size": 1024}),
+    "v7_longest_first_p512": ("longest", {"version": 7, "partition_size": 512}),
+    "v8": ("drawn", {"version": 8}),
+}
+
+
+def bench_mixed(copy_bw: float, device: torch.device) -> list[dict]:
+    """Version 7 on batches of mixed lengths: its grid taking the sequences in the drawn
+    order, and longest first (`seq_order`, as the engine runs it)."""
+    rows = []
+    for batch in MIXED_BATCHES:
+        lens = mixed_lengths(batch)
+        case = MixedCase(lens, device)
+        longest_first = torch.from_numpy(ops.longest_first(lens)).to(device)
+        row = {"batch": batch, "context_min": min(lens), "context_max": max(lens),
+               "context_mean": sum(lens) / batch, "bytes": case.bytes_moved,
+               "rotations": case.rotations, "paths": {}}
+        for name, (which, kw) in MIXED_PATHS.items():
+            order = longest_first if which == "longest" else None
+            err = case.error(order, **kw)
+            sec = time_calls(case.calls(order, **kw), use_graph=True)
+            bw = case.bytes_moved / sec
+            row["paths"][name] = {"us": sec * 1e6, "gbps": bw / 1e9, "frac_copy": bw / copy_bw,
+                                  "rel_err": err}
+        rows.append(row)
+        print(f"  b={batch:>3} ctx {min(lens)}-{max(lens)}  " + "  ".join(
+            f"{n}={r['us']:7.1f}us {100 * r['frac_copy']:5.1f}%"
+            for n, r in row["paths"].items()), flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main_shapes() -> list[tuple[int, int, int, int, int]]:
     return [(b, c, 16, 16, 8) for b in (1, 8, 32, 64, 128, 256)
             for c in (128, 512, 1024, 2048, 4096, 8192)]
@@ -571,6 +688,11 @@ def run(args: argparse.Namespace) -> dict:
         result["v7parts"] = bench_decode(pipeline_shapes()[:12], [*variants, "sdpa_contig"],
                                          copy_bw, device, check=False, variants=variants)
         result["v7parts_bar"] = v7_bar_report(result["v7parts"])
+        save()
+    if "mixed" in tables:
+        print("mixed: version 7 on batches of mixed context lengths, drawn order and "
+              "longest first")
+        result["mixed"] = bench_mixed(copy_bw, device)
         save()
     if "v8" in tables:
         print("v8: version 8 (stream-K over a persistent grid) vs version 7 and SDPA, contiguous")
@@ -757,6 +879,17 @@ def report(path: Path) -> None:
             print(f"| {r['batch']} × {r['context']} | {us['ours_v7']:.1f} | {us['ours_v8']:.1f} "
                   f"| {us['sdpa_contig']:.1f} | {us['ours_v8'] / us['ours_v7']:.3f} "
                   f"| {us['ours_v8'] / us['sdpa_contig']:.3f} |")
+        print()
+    if d.get("mixed"):
+        names = list(d["mixed"][0]["paths"])
+        print("**mixed** (16/8 heads, block 16, contexts of the standard workload's decode "
+              "steps; µs per call · achieved bandwidth / copy bandwidth)\n")
+        print("| batch | contexts | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in d["mixed"]:
+            print(f"| {r['batch']} | {r['context_min']}–{r['context_max']} | " + " | ".join(
+                f"{r['paths'][n]['us']:.1f} · {100 * r['paths'][n]['frac_copy']:.0f} %"
+                for n in names) + " |")
         print()
     if d.get("layout"):
         names = list(d["layout"][0]["paths"])

@@ -32,7 +32,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
             int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
             int64_t q_stride, int max_context_len, int partition_size, int max_splits,
             float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
-            int heads_per_cta, int stages, std::uintptr_t counters) {
+            int heads_per_cta, int stages, std::uintptr_t counters, std::uintptr_t seq_order) {
   DecodeParams p;
   p.out = as_ptr<void>(out);
   p.q = as_ptr<const void>(q);
@@ -43,6 +43,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
   p.part_out = as_ptr<float>(part_out);
   p.part_ml = as_ptr<float>(part_ml);
   p.counters = as_ptr<int32_t>(counters);
+  p.seq_order = as_ptr<const int32_t>(seq_order);
   p.num_seqs = num_seqs;
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
@@ -101,7 +102,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_blocks_per_seq"), py::arg("q_stride"), py::arg("max_context_len"),
         py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
         py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
-        py::arg("heads_per_cta") = 0, py::arg("stages") = 0, py::arg("counters") = 0);
+        py::arg("heads_per_cta") = 0, py::arg("stages") = 0, py::arg("counters") = 0,
+        py::arg("seq_order") = 0);
 
   m.def(
       "reshape_and_cache",

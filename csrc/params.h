@@ -28,6 +28,7 @@ enum class DType : int {
 //   part_out     [num_seqs, num_q_heads, max_splits, head_dim] float32 (split-K only)
 //   part_ml      [num_seqs, num_q_heads, max_splits, 2]        float32 (split-K only)
 //   counters     [num_seqs, num_q_heads / heads per CTA]     int32, zero (version 8 only)
+//   seq_order    [num_seqs] int32, a permutation of 0 .. num_seqs - 1 (optional)
 //
 // Version 8 uses part_out / part_ml as two slots per CTA of a persistent grid
 // of at most max_splits CTAs: [2 max_splits, heads per CTA, head_dim] and
@@ -43,6 +44,11 @@ struct DecodeParams {
   float* part_out = nullptr;
   float* part_ml = nullptr;
   int32_t* counters = nullptr;
+  // Version 7: the order in which the grid takes the sequences when it has
+  // more CTAs than fit on the GPU at once (null: 0, 1, 2, ...). The engine
+  // lists the longest contexts first, so that the CTAs of the last wave are
+  // the shortest (chapter 9). The output does not depend on it.
+  const int32_t* seq_order = nullptr;
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;

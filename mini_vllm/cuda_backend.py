@@ -51,6 +51,9 @@ class CudaAttentionMetadata(AttentionMetadata):
             `P` sequences, starting at 0 (None when `P == 0`).
         prefill_query_start_loc_cpu: the same as host ints.
         prefill_context_lens_cpu: their `context_lens` as host ints.
+        decode_order: `[num_decodes] int32`, the decodes longest context first
+            (`ops.longest_first`): the order in which the decode kernel's
+            grid takes them (None: in batch order).
     """
 
     num_decodes: int = 0
@@ -58,6 +61,7 @@ class CudaAttentionMetadata(AttentionMetadata):
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_query_start_loc_cpu: list[int] = field(default_factory=list)
     prefill_context_lens_cpu: list[int] = field(default_factory=list)
+    decode_order: torch.Tensor | None = None
 # --8<-- [end:metadata]
 
 
@@ -184,7 +188,7 @@ class CudaAttentionBackend:
         nd, num_tokens = meta.num_decodes, q.shape[0]
         if nd == num_tokens:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                scale, meta.decode_max_context_len)
+                                scale, meta.decode_max_context_len, meta.decode_order)
         if nd == 0:
             return self._prefill(q, k_cache, v_cache, meta.block_tables,
                                  meta.prefill_query_start_loc, meta.context_lens, scale,
@@ -192,7 +196,8 @@ class CudaAttentionBackend:
                                  key, value)
         out = torch.empty_like(q)
         out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                meta.context_lens[:nd], scale, meta.decode_max_context_len)
+                                meta.context_lens[:nd], scale, meta.decode_max_context_len,
+                                meta.decode_order)
         out[nd:] = self._prefill(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start_loc,
             meta.context_lens[nd:], scale, meta.prefill_query_start_loc_cpu,
@@ -203,10 +208,10 @@ class CudaAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                max_context_len: int) -> torch.Tensor:
+                max_context_len: int, order: torch.Tensor | None = None) -> torch.Tensor:
         if self.decode_impl == "kernel":
             return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                              scale, max_context_len)
+                                              scale, max_context_len, seq_order=order)
         return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,7 +9,7 @@ batch size reading fixed input buffers, and replays them with one call.
                                                                   sizes one per context
                                                                   bound, see below)
     static inputs   input_ids, positions, slot_mapping   [3, max]  int64
-                    context_lens                         [max]     int32
+                    context_lens, decode order           [2, max]  int32
                     block_tables                         [max, W]  int32
     a step of n sequences runs the graph of the smallest size bs >= n:
 
@@ -19,6 +19,8 @@ batch size reading fixed input buffers, and replays them with one call.
         slot       the real ones     -1        (the KV write skips it)
         context    the real ones     1         (reads block 0, reserved)
         blocks     the real tables   [0, ...]
+
+    and the decode order, a permutation of all bs rows (longest context first).
 
 Padded rows compute garbage that nothing reads: their K/V are not written
 and their logits are sliced off. The graphs share one memory pool, captured
@@ -120,7 +122,9 @@ class CudaGraphRunner:
         # Rows of `token_inputs`: input ids, positions, slots (one copy fills all three).
         self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
         self.token_inputs[2].fill_(-1)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # Rows of `seq_inputs`: context lengths, the decode kernel's order.
+        self.seq_inputs = torch.ones(2, n, dtype=torch.int32, device=device)
+        self.seq_inputs[1] = torch.arange(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         # Per batch size, the context bounds it has a graph for, ascending.
@@ -139,7 +143,7 @@ class CudaGraphRunner:
         return CudaAttentionMetadata(
             slot_mapping=self.token_inputs[2, :bs],
             query_start_loc=self.query_start_loc[: bs + 1],
-            context_lens=self.context_lens[:bs],
+            context_lens=self.seq_inputs[0, :bs],
             block_tables=self.block_tables[:bs],
             max_query_len=1,
             max_context_len=bound,
@@ -147,6 +151,7 @@ class CudaGraphRunner:
             context_lens_cpu=[1] * bs,
             num_decodes=bs,
             decode_max_context_len=bound,  # sizes the decode kernel's grid
+            decode_order=self.seq_inputs[1, :bs],
         )
 
     def _run_eager(self, bs: int, bound: int) -> torch.Tensor:
@@ -182,7 +187,7 @@ class CudaGraphRunner:
     # --8<-- [end:capture]
 
     # --8<-- [start:replay]
-    def run(self, token_inputs: torch.Tensor, context_lens: torch.Tensor,
+    def run(self, token_inputs: torch.Tensor, seq_inputs: torch.Tensor,
             block_tables: torch.Tensor,
             token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None,
             max_context_len: int | None = None) -> torch.Tensor:
@@ -191,7 +196,9 @@ class CudaGraphRunner:
         Args:
             token_inputs: `[3, bs]` int64 ids / positions / slots, padded to a
                 captured size `bs` as the module docstring shows.
-            context_lens: `[bs]` int32, padded with 1.
+            seq_inputs: `[2, bs]` int32: the context lengths, padded with 1,
+                then a permutation of the rows for the decode kernel's grid
+                (`ops.longest_first` of the first row).
             block_tables: `[bs, w]` int32 with `w <= W`, padded rows all 0;
                 columns past `w` keep stale block ids that no context reaches.
             token_fixes: `(rows, ids)` device tensors: input ids to overwrite
@@ -206,7 +213,7 @@ class CudaGraphRunner:
         """
         bs, width = block_tables.shape
         self.token_inputs[:, :bs].copy_(token_inputs)
-        self.context_lens[:bs].copy_(context_lens)
+        self.seq_inputs[:, :bs].copy_(seq_inputs)
         self.block_tables[:bs, :width].copy_(block_tables)
         if token_fixes is not None:
             rows, ids = token_fixes

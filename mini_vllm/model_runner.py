@@ -28,7 +28,7 @@ from mini_vllm.cuda_backend import CudaAttentionMetadata, select_attention_backe
 from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes, context_bounds
 from mini_vllm.models.loader import load_model
 from mini_vllm.ops._extension import num_sms
-from mini_vllm.ops.paged_attention import decode_grid, default_decode_version
+from mini_vllm.ops.paged_attention import decode_grid, default_decode_version, longest_first
 
 logger = logging.getLogger(__name__)
 
@@ -550,10 +550,11 @@ class ModelRunner:
         token_inputs[0, :n] = host["input_ids"]
         token_inputs[1, :n] = host["positions"]
         token_inputs[2, :n] = host["slot_mapping"]
-        context_lens = np.ones(padded, dtype=np.int32)  # padded rows: one (junk) token
-        context_lens[:n] = host["context_lens"]
+        seq_inputs = np.ones((2, padded), dtype=np.int32)  # padded rows: one (junk) token
+        seq_inputs[0, :n] = host["context_lens"]
+        seq_inputs[1] = longest_first(seq_inputs[0])  # the order the decode grid takes
         has_prev = prev_rows >= 0
-        arrays = [token_inputs, context_lens, host["block_tables"],
+        arrays = [token_inputs, seq_inputs, host["block_tables"],
                   np.flatnonzero(has_prev), prev_rows[has_prev],  # placeholder rows, sources
                   np.flatnonzero(sample)]
         views = self.staging.to_device(arrays)
@@ -596,6 +597,7 @@ class ModelRunner:
             query_start_loc.astype(np.int32), context_lens.astype(np.int32),
             host["block_tables"], prefill_start_loc.astype(np.int32),
             query_start_loc[1:][has_prev] - 1, prev_rows[has_prev],  # placeholders, sources
+            longest_first(context_lens[:num_decodes]),
         ])
         if has_prev.any():  # placeholders: take the values the previous step sampled
             views[0].index_copy_(0, views[8], prev_sampled.index_select(0, views[9]).long())
@@ -613,6 +615,7 @@ class ModelRunner:
             prefill_query_start_loc=views[7] if num_decodes < n else None,
             prefill_query_start_loc_cpu=prefill_start_loc.tolist(),
             prefill_context_lens_cpu=context_lens[num_decodes:].tolist(),
+            decode_order=views[10] if num_decodes else None,
         )
         self._mark_step_start()
         hidden = self.model(views[0], views[1], self.kv_caches, meta)  # [T, hidden]

@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   // [warp 0: STAGES stages][warp 1: ...] (later the merge) | table entries
   extern __shared__ __align__(16) unsigned char v7_smem[];
   int* s_blocks = reinterpret_cast<int*>(v7_smem + PIPE);
-  const int seq = blockIdx.z, split = blockIdx.y, q_head0 = blockIdx.x * GROUP;
+  const int seq = p.seq_order != nullptr ? p.seq_order[blockIdx.z] : blockIdx.z;
+  const int split = blockIdx.y, q_head0 = blockIdx.x * GROUP;
   const int kv_head = q_head0 / (p.num_q_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;
@@ -348,8 +349,21 @@ struct LaunchV7 {
             "than the " + std::to_string(allowed) + " it may use here (fewer warps or stages, "
             "or a shorter partition_size / block_size)");
       }
+      // --8<-- [start:v7_order]
+      // The CTAs of a grid that fits at once all start together: their order
+      // cannot shorten its tail (and longest first measured slower at 32
+      // sequences, chapter 9). Past one wave, a CTA starts when another ends:
+      // the longest sequences go first, so that the last CTAs are short ones.
+      DecodeParams q = p;
+      const int resident = resident_blocks_per_sm(reinterpret_cast<const void*>(k.fn),
+                                                  k.warps * 32, k.pipe_bytes + table);
+      if (ctas <= static_cast<int64_t>(resident) *
+                      device_attribute(cudaDevAttrMultiProcessorCount)) {
+        q.seq_order = nullptr;
+      }
       launch_kernel(k.fn, grid, dim3(k.warps * 32), k.pipe_bytes + table, stream,
-                    "paged_attention_v7_kernel", p, log2_bs);
+                    "paged_attention_v7_kernel", q, log2_bs);
+      // --8<-- [end:v7_order]
       launch_combine<T, HEAD_DIM>(p, stream);
     }
   }

@@ -31,6 +31,7 @@ from mini_vllm.ops.paged_attention import (
     DECODE_VERSIONS,
     DEFAULT_DECODE_VERSION,
     decode_partition_size,
+    longest_first,
     paged_decode_attention,
 )
 from mini_vllm.ops.prefill import PREFILL_BACKENDS, prefill_attention, prefill_backend
@@ -45,6 +46,7 @@ __all__ = [
     "gather_kv_cache",
     "gemv",
     "is_available",
+    "longest_first",
     "paged_decode_attention",
     "prefill_attention",
     "prefill_backend",

@@ -9,6 +9,7 @@ replays correctly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mini_vllm.ops._checks import (
@@ -73,6 +74,19 @@ def v8_counters(device: torch.device, size: int) -> torch.Tensor:
             _v8_retired.append(have)
         _v8_counters[device] = have = fresh
     return have
+
+
+# --8<-- [start:longest_first]
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """The `seq_order` of a decode step: its sequences by context length, longest
+    first (ties in batch order), as int32.
+
+    A grid of several waves starts a CTA whenever one ends, so the CTAs it
+    starts last decide how long the GPU waits on a few stragglers: with the
+    longest first, they are the shortest ones (chapter 9).
+    """
+    return np.argsort(-np.asarray(context_lens, dtype=np.int64), kind="stable").astype(np.int32)
+# --8<-- [end:longest_first]
 
 
 def default_decode_version(head_dim: int, block_size: int) -> int:
@@ -164,6 +178,7 @@ def paged_decode_attention(
     cluster: int = 0,
     group_per_cta: int | None = None,
     stages: int = 0,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (GQA aware).
 
@@ -207,6 +222,12 @@ def paged_decode_attention(
             warp, 2 warps; built besides: warps/stages (`unroll`/`stages`)
             1/4, 2/2, 2/4, 4/2, 4/3 for bfloat16 / head_dim 128 and 2 or 4
             query heads per CTA. Tuning knobs.
+        seq_order: optional [num_seqs] int32, a permutation of the sequences:
+            the order in which version 7's CTAs take them when its grid does
+            not fit on the GPU at once (`longest_first` gives the engine's).
+            A scheduling hint: the output is the same with or without it,
+            and the other versions ignore it. It must hold every index once
+            (not checked: that would need a device sync).
 
     Returns:
         `out`, [num_seqs, num_q_heads, head_dim] in the query's dtype.
@@ -262,6 +283,12 @@ def paged_decode_attention(
                "block_tables": block_tables, "context_lens": context_lens}
     if out is not None:
         tensors["out"] = out
+    if seq_order is not None:
+        check_tensor("seq_order", seq_order, ndim=1, dtypes=(torch.int32,))
+        if seq_order.shape[0] != num_seqs:
+            raise ValueError(f"seq_order has {seq_order.shape[0]} entries, not num_seqs = "
+                             f"{num_seqs}")
+        tensors["seq_order"] = seq_order
     device = check_same_device(**tensors)
     ext = extension()
 
@@ -307,5 +334,6 @@ def paged_decode_attention(
             num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
             query.stride(0), max_context_len, partition_size, max_splits, float(scale),
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
-            cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr())
+            cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr(),
+            0 if seq_order is None or version != 7 else seq_order.data_ptr())
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -376,6 +377,59 @@ def test_decode_v8_stream_k(batch: int, max_ctx: int, zeros: int,
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize(("batch", "max_ctx", "partition_size"),
+                         [(3, 500, None), (40, 2000, None), (200, 2000, None), (700, 300, None),
+                          (300, 1000, 128)])
+def test_decode_v7_seq_order(batch: int, max_ctx: int, partition_size: int | None) -> None:
+    """`seq_order` only changes which CTAs start first: with it (longest first, or any
+    permutation), version 7's output is bit-identical to the output without it, on grids
+    that fit at once (where the launcher ignores it) and on grids of several waves (200
+    or 700 sequences of 8 KV heads, with or without split-K), and in a CUDA graph that
+    replays with new lengths and a new order."""
+    gen = _gen("order", batch, max_ctx, partition_size)
+    lens = _context_lens(batch, max_ctx, 16, gen)
+    k_cache, v_cache, tables, ctx = _paged_batch(lens, 16, 8, 128, torch.bfloat16, "cuda", gen)
+    query = (2 * torch.randn((batch, 16, 128), generator=gen, device="cuda")).to(torch.bfloat16)
+    kw = {"version": 7, "partition_size": partition_size}
+
+    def run(order: torch.Tensor | None) -> torch.Tensor:
+        out = torch.full_like(query, float("nan"))
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.09, max_ctx, out=out,
+                                   seq_order=order, **kw)
+        return out
+
+    plain = run(None)
+    _assert_close(plain, paged_decode_attention_ref(query, k_cache, v_cache, tables, ctx, 0.09))
+    longest = torch.from_numpy(ops.longest_first(ctx.cpu().numpy())).cuda()
+    shuffled = torch.randperm(batch, generator=gen, device="cuda").int()
+    for order in (longest, shuffled):
+        assert torch.equal(run(order), plain)
+
+    order = longest.clone()
+    out = torch.empty_like(query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.09, max_ctx, out=out,
+                                   seq_order=order, **kw)
+    for _ in range(2):
+        shorter = [int(torch.randint(1, n + 1, (), generator=gen, device="cuda")) for n in lens]
+        ctx.copy_(torch.tensor(shorter, dtype=torch.int32))  # within the cache's blocks
+        order.copy_(torch.from_numpy(ops.longest_first(ctx.cpu().numpy())))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, run(None))
+
+
+def test_longest_first() -> None:
+    """The engine's order: longest context first, ties in batch order, int32."""
+    order = ops.longest_first(np.array([5, 900, 5, 17, 900, 1]))
+    assert order.dtype == np.int32
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]
+    assert ops.longest_first(np.array([], dtype=np.int32)).tolist() == []
+
+
+@pytest.mark.gpu
+@gpu
 def test_decode_v7_unsupported_says_so() -> None:
     gen = _gen("v7 unsupported")
     k_cache, v_cache, tables, lens = _paged_batch([40], 16, 2, 32, torch.bfloat16, "cuda", gen)
@@ -582,6 +636,8 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"version": 7, "stages": 2}, "must be on a CUDA device"),
     ({"version": 6, "stages": -1}, "stages must be >= 0"),
     ({"partition_size": 48}, "partition_size 48 must be a power of two"),
+    ({"seq_order": torch.tensor([1, 0])}, "seq_order: dtype int64"),
+    ({"seq_order": torch.tensor([0], dtype=torch.int32)}, "seq_order has 1 entries, not num_seqs = 2"),
     ({}, "must be on a CUDA device"),
 ])
 def test_decode_wrapper_validation(over: dict[str, object], match: str) -> None:
