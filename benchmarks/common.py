@@ -564,8 +564,12 @@ def environment(device: str) -> dict[str, Any]:
         env["git_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
             timeout=10, check=True).stdout.strip()
+        # Tracked files that differ from that commit: the code that ran is not it.
+        env["git_modified"] = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[:-1]
     except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+        env["git_commit"] = env["git_modified"] = None
     return env
 
 
