@@ -39,8 +39,8 @@ Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
 shapes), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
 grid, against version 7 and SDPA on contiguous K/V), ``mixed`` (version 7 on
-batches whose contexts differ as in the standard workload's decode steps, its
-grid taking the sequences in the drawn order or longest first), ``layout`` (one KV head with
+batches of contexts from 100 to 2,047 tokens, its grid taking the sequences in
+the drawn order or longest first), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
@@ -503,8 +503,10 @@ MIXED_BATCHES = (32, 64, 128, 192, 256)
 
 
 def mixed_lengths(batch: int, seed: int = 0) -> list[int]:
-    """Context lengths as the standard workload's decode steps see them: a prompt
-    of randint(100, 1024) tokens plus 0 to 1023 tokens generated so far."""
+    """Context lengths of a server's decode batch: a prompt of the standard workload
+    (randint(100, 1024) tokens) plus 0 to 1023 tokens generated so far, since its
+    requests arrived at different times. (In the offline workload every request
+    starts at once, so the contexts of a step differ by their prompts only.)"""
     rng = random.Random(seed)
     return [rng.randint(100, 1024) + rng.randint(0, 1023) for _ in range(batch)]
 
@@ -882,8 +884,8 @@ def report(path: Path) -> None:
         print()
     if d.get("mixed"):
         names = list(d["mixed"][0]["paths"])
-        print("**mixed** (16/8 heads, block 16, contexts of the standard workload's decode "
-              "steps; µs per call · achieved bandwidth / copy bandwidth)\n")
+        print("**mixed** (16/8 heads, block 16, contexts of a prompt of 100-1024 tokens plus "
+              "0-1023 generated; µs per call · achieved bandwidth / copy bandwidth)\n")
         print("| batch | contexts | " + " | ".join(names) + " |")
         print("|---|---|" + "---|" * len(names))
         for r in d["mixed"]:
