@@ -499,7 +499,7 @@ def v7_bar_report(rows: list[dict]) -> dict:
 # ----------------------------------------------------------------------------
 # Mixed context lengths: what a decode step of the standard workload looks like
 # ----------------------------------------------------------------------------
-MIXED_BATCHES = (32, 64, 128, 192, 256)
+MIXED_BATCHES = (32, 64, 96, 128, 192, 256)
 
 
 def mixed_lengths(batch: int, seed: int = 0) -> list[int]:
