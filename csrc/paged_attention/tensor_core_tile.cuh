@@ -199,5 +199,32 @@ __device__ __forceinline__ void compute_tile(uint32_t stage, int t0, int end, in
 }
 // --8<-- [end:tile]
 
+// After the last tile: a warp's online-softmax state into the merge area.
+// Lane (g, c) holds a quarter of head g's l (summed over its quad here), and
+// Oᵀ elements of heads 2c and 2c + 1 at rows 16 mt + g and 16 mt + g + 8.
+template <int HEAD_DIM, int GROUP, int NT>
+__device__ __forceinline__ void stash_warp_state(MergeSmem<HEAD_DIM, GROUP, NT>& sm, int warp,
+                                                 int lane, float m, float l,
+                                                 const float (&o)[HEAD_DIM / 16][4]) {
+  const int g = lane >> 2, c = lane & 3;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);  // the quad's shares -> head g's sum
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (c == 0 && g < GROUP) {
+    sm.m[warp][g] = m;
+    sm.l[warp][g] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int head = 2 * c + j;
+    if (head < GROUP) {
+#pragma unroll
+      for (int mt = 0; mt < HEAD_DIM / 16; ++mt) {
+        sm.acc[warp][head][16 * mt + g] = o[mt][j];
+        sm.acc[warp][head][16 * mt + g + 8] = o[mt][2 + j];
+      }
+    }
+  }
+}
+
 }  // namespace tc_tile
 }  // namespace mini_vllm

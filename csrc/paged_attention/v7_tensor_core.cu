@@ -207,26 +207,10 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   pdl_launch_dependents();
   // Merge the warps. The ring becomes the merge area once every copy has
   // landed and every warp is done reading.
-  l += __shfl_xor_sync(0xffffffffu, l, 1);  // the quad's shares -> head g's sum
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
   cp_async_wait<0>();
   __syncthreads();
   auto& sm = *reinterpret_cast<MergeSmem<HEAD_DIM, GROUP, NT>*>(v7_smem);
-  if (c == 0 && g < GROUP) {
-    sm.m[warp][g] = m;
-    sm.l[warp][g] = l;
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int head = 2 * c + j;
-    if (head < GROUP) {
-#pragma unroll
-      for (int mt = 0; mt < KC; ++mt) {
-        sm.acc[warp][head][16 * mt + g] = o[mt][j];
-        sm.acc[warp][head][16 * mt + g + 8] = o[mt][2 + j];
-      }
-    }
-  }
+  stash_warp_state(sm, warp, lane, m, l, o);
   __syncthreads();
   const int64_t part = out_row * p.max_splits + split;
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += NT) {

@@ -305,23 +305,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
     }
 
     // Merge the warps, then write the sequence's output or this CTA's piece of it.
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (c == 0 && g < GROUP) {
-      sm.m[warp][g] = m;
-      sm.l[warp][g] = l;
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int head = 2 * c + j;
-      if (head < GROUP) {
-#pragma unroll
-        for (int mt = 0; mt < KC; ++mt) {
-          sm.acc[warp][head][16 * mt + g] = o[mt][j];
-          sm.acc[warp][head][16 * mt + g + 8] = o[mt][2 + j];
-        }
-      }
-    }
+    stash_warp_state(sm, warp, lane, m, l, o);
     __syncthreads();
     T* out = static_cast<T*>(p.out) +
              (static_cast<int64_t>(cur.seq) * p.num_q_heads + q_head0) * HEAD_DIM;
