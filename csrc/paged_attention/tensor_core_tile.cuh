@@ -9,6 +9,9 @@
 #include "../cp_async.cuh"
 #include "../mma.cuh"
 
+#include <stdexcept>
+#include <string>
+
 namespace mini_vllm {
 namespace tc_tile {
 
@@ -76,6 +79,15 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
 }
 // --8<-- [end:swizzle]
 
+// The layout of a stage as `compute_tile` reads it: version 7's swizzle above.
+// (Version 9's copy engine writes another one; it passes its own.)
+template <int HEAD_DIM>
+struct RowSwizzle {
+  __device__ __forceinline__ static uint32_t offset(int row, int chunk) {
+    return tile_offset<HEAD_DIM>(row, chunk);
+  }
+};
+
 // Issue the copies of one tile (16 tokens from t0, a multiple of 16) into a
 // stage: K rows at `stage`, V rows one tile further. Lane l copies chunk
 // l % CPR of rows l / CPR, l / CPR + 32 / CPR, ... (CPR: chunks per row), so
@@ -113,7 +125,7 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int end, int 
 //   m, l: head g's running max (log2 units) and this lane's share of its sum
 //   o: Oᵀ, per 16 rows mt of head_dim: o[mt] = rows 16mt + g, 16mt + g + 8,
 //      columns (query heads) 2c, 2c+1
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, typename Layout = RowSwizzle<HEAD_DIM>>
 __device__ __forceinline__ void compute_tile(uint32_t stage, int t0, int end, int lane,
                                              float kscale,
                                              const uint32_t (&qa)[HEAD_DIM / 16][2],
@@ -136,7 +148,7 @@ __device__ __forceinline__ void compute_tile(uint32_t stage, int t0, int end, in
 #pragma unroll
     for (int q = 0; q < CPR / 4; ++q) {
       uint32_t b[4];
-      ldmatrix_x4(b, stage + tile_offset<HEAD_DIM>(8 * nt + r8, 4 * q + mat));
+      ldmatrix_x4(b, stage + Layout::offset(8 * nt + r8, 4 * q + mat));
       mma_16x8x16<T>(s[nt], qa[2 * q][0], 0u, qa[2 * q][1], 0u, b[0], b[1]);
       mma_16x8x16<T>(s[nt], qa[2 * q + 1][0], 0u, qa[2 * q + 1][1], 0u, b[2], b[3]);
     }
@@ -193,11 +205,30 @@ __device__ __forceinline__ void compute_tile(uint32_t stage, int t0, int end, in
     o[mt][2] *= alpha0;
     o[mt][3] *= alpha1;
     uint32_t a[4];
-    ldmatrix_x4_trans(a, v_stage + tile_offset<HEAD_DIM>(v_row, 2 * mt + (mat & 1)));
+    ldmatrix_x4_trans(a, v_stage + Layout::offset(v_row, 2 * mt + (mat & 1)));
     mma_16x8x16<T>(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
   }
 }
 // --8<-- [end:tile]
+
+// Q of head g of the group (a zero row past it) as the A operand of the S
+// product, 2 registers per 16 columns kc of head_dim: pairs 2c and 2c + 8.
+// `q_group` points at the group's first head. Lanes past the group load head
+// 0's row too and drop it: no branches.
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void load_q_operand(uint32_t (&qa)[HEAD_DIM / 16][2],
+                                               const T* q_group, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+  const bool in_group = g < GROUP;
+  const uint32_t* q_row =
+      reinterpret_cast<const uint32_t*>(q_group + (in_group ? g : 0) * HEAD_DIM);
+#pragma unroll
+  for (int kc = 0; kc < HEAD_DIM / 16; ++kc) {
+    const uint32_t lo = q_row[8 * kc + c], hi = q_row[8 * kc + 4 + c];
+    qa[kc][0] = in_group ? lo : 0u;
+    qa[kc][1] = in_group ? hi : 0u;
+  }
+}
 
 // After the last tile: a warp's online-softmax state into the merge area.
 // Lane (g, c) holds a quarter of head g's l (summed over its quad here), and
@@ -224,6 +255,74 @@ __device__ __forceinline__ void stash_warp_state(MergeSmem<HEAD_DIM, GROUP, NT>&
       }
     }
   }
+}
+
+// Head h's softmax state over all warps of a CTA, at head_dim element d:
+// the common maximum, the sum and the weighted sum of V, each warp's share
+// rescaled to that maximum.
+struct MergedState {
+  float m, l, acc;
+};
+
+template <int HEAD_DIM, int GROUP, int WARPS>
+__device__ __forceinline__ MergedState merge_warps(const MergeSmem<HEAD_DIM, GROUP, WARPS * 32>& sm,
+                                                   int h, int d) {
+  MergedState r{-INFINITY, 0.0f, 0.0f};
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) r.m = fmaxf(r.m, sm.m[w][h]);
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const float a = sm.m[w][h] == -INFINITY ? 0.0f : exp2f(sm.m[w][h] - r.m);
+    r.l += sm.l[w][h] * a;
+    r.acc += sm.acc[w][h][d] * a;
+  }
+  return r;
+}
+
+// The end of a CTA of one (group, split, sequence): merge its warps' states
+// (stashed in `sm`) into the group's output row `out` when the sequence has
+// one split, else into its partial result and (m, l) for the combine kernel.
+template <typename T, int HEAD_DIM, int GROUP, int WARPS>
+__device__ __forceinline__ void merge_warps_and_store(
+    const MergeSmem<HEAD_DIM, GROUP, WARPS * 32>& sm, const DecodeParams& p, T* out,
+    int64_t out_row, int split, int num_splits) {
+  const int64_t part = out_row * p.max_splits + split;
+  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
+    const int h = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    const MergedState s = merge_warps<HEAD_DIM, GROUP, WARPS>(sm, h, d);
+    if (num_splits == 1) {
+      out[h * HEAD_DIM + d] = TypeTraits<T>::from_float(s.acc / s.l);
+    } else {
+      const int64_t at = part + static_cast<int64_t>(h) * p.max_splits;
+      p.part_out[at * HEAD_DIM + d] = s.acc / s.l;
+      if (d == 0) {
+        p.part_ml[at * 2 + 0] = s.m;
+        p.part_ml[at * 2 + 1] = s.l;
+      }
+    }
+  }
+}
+
+// The checks every launcher of v7's tiles makes (versions 7, 8 and 9), with
+// the version's name in the message. Returns log2(block_size).
+inline int check_tiled_decode(const DecodeParams& p, const char* version) {
+  const std::string v = version;
+  if (p.partition_size & (p.partition_size - 1)) {
+    throw std::invalid_argument("partition_size must be a power of two");
+  }
+  const int log2_bs = log2_exact(p.block_size);
+  if (p.block_size < kV7Tile) {
+    throw std::invalid_argument(v + " needs block_size >= 16, got " +
+                                std::to_string(p.block_size));
+  }
+  if (p.max_splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr)) {
+    throw std::invalid_argument("split-K needs the part_out / part_ml workspace");
+  }
+  if (p.max_splits > 1 && p.partition_size % kV7Tile != 0) {
+    throw std::invalid_argument(v + " needs partition_size >= 16 with split-K, got " +
+                                std::to_string(p.partition_size));
+  }
+  return log2_bs;
 }
 
 }  // namespace tc_tile

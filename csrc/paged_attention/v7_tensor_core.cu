@@ -93,7 +93,6 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   const int split = blockIdx.y, q_head0 = blockIdx.x * GROUP;
   const int kv_head = q_head0 / (p.num_q_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane >> 2, c = lane & 3;
   const int start = split * p.partition_size;
 
   // Prologue: the partition's table entries and the context length first.
@@ -139,21 +138,11 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   }
   pdl_wait();
   // --8<-- [end:early_fill]
-  // Q of head g (a zero row past the group) as the A operand, 2 registers per
-  // kc. Lanes past the group load head 0's row too and drop it: no branches.
+  // Q of head g (a zero row past the group) as the A operand, 2 registers per kc.
   uint32_t qa[KC][2];
-  {
-    const bool in_group = g < GROUP;
-    const uint32_t* q_row = reinterpret_cast<const uint32_t*>(
-        static_cast<const T*>(p.q) + seq * p.q_stride +
-        static_cast<int64_t>(q_head0 + (in_group ? g : 0)) * HEAD_DIM);
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-      const uint32_t lo = q_row[8 * kc + c], hi = q_row[8 * kc + 4 + c];  // pairs 2c, 2c + 8
-      qa[kc][0] = in_group ? lo : 0u;
-      qa[kc][1] = in_group ? hi : 0u;
-    }
-  }
+  load_q_operand<T, HEAD_DIM, GROUP>(
+      qa, static_cast<const T*>(p.q) + seq * p.q_stride + static_cast<int64_t>(q_head0) * HEAD_DIM,
+      lane);
   const int64_t out_row = static_cast<int64_t>(seq) * p.num_q_heads + q_head0;
   T* out = static_cast<T*>(p.out) + out_row * HEAD_DIM;
   if (ctx <= 0) {
@@ -212,29 +201,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   auto& sm = *reinterpret_cast<MergeSmem<HEAD_DIM, GROUP, NT>*>(v7_smem);
   stash_warp_state(sm, warp, lane, m, l, o);
   __syncthreads();
-  const int64_t part = out_row * p.max_splits + split;
-  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += NT) {
-    const int h = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm.m[w][h]);
-    float sum = 0.0f, acc = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float a = sm.m[w][h] == -INFINITY ? 0.0f : exp2f(sm.m[w][h] - mx);
-      sum += sm.l[w][h] * a;
-      acc += sm.acc[w][h][d] * a;
-    }
-    if (num_splits == 1) {
-      out[h * HEAD_DIM + d] = TypeTraits<T>::from_float(acc / sum);
-    } else {
-      p.part_out[(part + static_cast<int64_t>(h) * p.max_splits) * HEAD_DIM + d] = acc / sum;
-      if (d == 0) {
-        p.part_ml[(part + static_cast<int64_t>(h) * p.max_splits) * 2 + 0] = mx;
-        p.part_ml[(part + static_cast<int64_t>(h) * p.max_splits) * 2 + 1] = sum;
-      }
-    }
-  }
+  merge_warps_and_store<T, HEAD_DIM, GROUP, WARPS>(sm, p, out, out_row, split, num_splits);
 }
 // --8<-- [end:kernel]
 
@@ -302,21 +269,7 @@ struct LaunchV7 {
       throw std::invalid_argument("version 7 supports head_dim 64 and 128, not " +
                                   std::to_string(HEAD_DIM));
     } else {
-      if (p.max_splits > 1 && (p.part_out == nullptr || p.part_ml == nullptr)) {
-        throw std::invalid_argument("split-K needs the part_out / part_ml workspace");
-      }
-      if (p.partition_size & (p.partition_size - 1)) {
-        throw std::invalid_argument("partition_size must be a power of two");
-      }
-      const int log2_bs = log2_exact(p.block_size);
-      if (p.block_size < kV7Tile) {
-        throw std::invalid_argument("version 7 needs block_size >= 16, got " +
-                                    std::to_string(p.block_size));
-      }
-      if (p.max_splits > 1 && p.partition_size % kV7Tile != 0) {
-        throw std::invalid_argument("version 7 needs partition_size >= 16 with split-K, got " +
-                                    std::to_string(p.partition_size));
-      }
+      const int log2_bs = check_tiled_decode(p, "version 7");
       const dim3 grid(p.num_q_heads / GROUP, p.max_splits, p.num_seqs);
       const int64_t ctas = static_cast<int64_t>(grid.x) * grid.y * grid.z;
       const V7Kernel k = select_v7_kernel<T, HEAD_DIM, GROUP>(

@@ -159,7 +159,6 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
   int* s_prefix = s_tables + 2 * p.max_blocks_per_seq;
   int* s_scratch = s_prefix + p.num_seqs + 1;  // WARPS sums for the scan, then a flag
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane >> 2, c = lane & 3;
   const int groups = p.num_q_heads / GROUP;
   const int max_ctx = p.max_blocks_per_seq << log2_bs;
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
@@ -217,16 +216,10 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
     for (int i = threadIdx.x; i < entries; i += NT) dst[i] = table[i];
   };
   const auto load_q = [&](const Segment& s, uint32_t (&qa)[KC][2]) {
-    const bool in_group = g < GROUP;
-    const uint32_t* q_row = reinterpret_cast<const uint32_t*>(
-        static_cast<const T*>(p.q) + s.seq * p.q_stride +
-        static_cast<int64_t>(q_head0 + (in_group ? g : 0)) * HEAD_DIM);
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-      const uint32_t qlo = q_row[8 * kc + c], qhi = q_row[8 * kc + 4 + c];
-      qa[kc][0] = in_group ? qlo : 0u;
-      qa[kc][1] = in_group ? qhi : 0u;
-    }
+    load_q_operand<T, HEAD_DIM, GROUP>(
+        qa, static_cast<const T*>(p.q) + s.seq * p.q_stride +
+                static_cast<int64_t>(q_head0) * HEAD_DIM,
+        lane);
   };
 
   Segment cur{};
@@ -314,23 +307,14 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
     const int64_t slot = 2 * static_cast<int64_t>(blockIdx.x) + (cur.first + cur.j0 == begin ? 0 : 1);
     for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += NT) {
       const int h = idx / HEAD_DIM, d = idx % HEAD_DIM;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm.m[w][h]);
-      float sum = 0.0f, acc = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float a = sm.m[w][h] == -INFINITY ? 0.0f : exp2f(sm.m[w][h] - mx);
-        sum += sm.l[w][h] * a;
-        acc += sm.acc[w][h][d] * a;
-      }
+      const MergedState st = merge_warps<HEAD_DIM, GROUP, WARPS>(sm, h, d);
       if (whole) {
-        out[idx] = TypeTraits<T>::from_float(acc / sum);
+        out[idx] = TypeTraits<T>::from_float(st.acc / st.l);
       } else {
-        p.part_out[slot * GROUP * HEAD_DIM + idx] = acc;
+        p.part_out[slot * GROUP * HEAD_DIM + idx] = st.acc;
         if (d == 0) {
-          p.part_ml[(slot * GROUP + h) * 2 + 0] = mx;
-          p.part_ml[(slot * GROUP + h) * 2 + 1] = sum;
+          p.part_ml[(slot * GROUP + h) * 2 + 0] = st.m;
+          p.part_ml[(slot * GROUP + h) * 2 + 1] = st.l;
         }
       }
     }
