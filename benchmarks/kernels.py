@@ -38,7 +38,9 @@ version 5 and SDPA on contiguous K/V, at the shapes of the bar and at
 Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
 shapes), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
-grid, against version 7 and SDPA on contiguous K/V), ``mixed`` (version 7 on
+grid, against version 7 and SDPA on contiguous K/V), ``v9`` (version 9, version
+7's tiles copied by the TMA, against version 7 and SDPA on contiguous K/V, at
+the v7 table's shapes), ``mixed`` (version 7 on
 batches of contexts from 100 to 2,047 tokens, its grid taking the sequences in
 the drawn order or longest first), ``layout`` (one KV head with
 blocks in order: the paged cache then holds the bytes in SDPA's contiguous
@@ -645,6 +647,10 @@ def v8_shapes() -> list[tuple[int, int, int, int, int]]:
     return pipeline_shapes() + [(66, 1024, 16, 16, 8), (66, 4096, 16, 16, 8)]
 
 
+# (warps, stages) of version 9 in the v9 table, beside `ours_v9` (as the wrapper picks it).
+V9_DEPTHS = ((2, 2), (2, 4), (4, 3))
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -700,6 +706,14 @@ def run(args: argparse.Namespace) -> dict:
         print("v8: version 8 (stream-K over a persistent grid) vs version 7 and SDPA, contiguous")
         variants = {"ours_v7": {"version": 7}, "ours_v8": {"version": 8}}
         result["v8"] = bench_decode(v8_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
+                                    variants=variants)
+        save()
+    if "v9" in tables:
+        print("v9: version 9 (v7's tiles copied by the TMA) vs version 7 and SDPA, contiguous")
+        variants = {"ours_v7": {"version": 7}, "ours_v9": {"version": 9}}
+        variants |= {f"ours_v9_w{w}s{st}": {"version": 9, "unroll": w, "stages": st}
+                     for w, st in V9_DEPTHS}
+        result["v9"] = bench_decode(v7_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
                                     variants=variants)
         save()
     # The other fast versions, timed beside `ours` in the same rows.
@@ -801,6 +815,22 @@ def _cell(r: dict | None) -> str:
     return f"{r['us']:.1f} µs · {100 * r['frac_copy']:.0f} %"
 
 
+def print_versus(rows: list[dict], new: str, old: str, table: str) -> None:
+    """A table's rows as markdown: `new` against `old` and SDPA on contiguous K/V."""
+    a, b = new.removeprefix("ours_"), old.removeprefix("ours_")
+    print(f"**{table}** (µs per call; last columns: {a} / {b}, {a} / SDPA)\n")
+    print(f"| heads | batch × context | {b} | {a} | SDPA, contig. | {a} / {b} | {a} / SDPA |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        us = {n: v["us"] for n, v in r["paths"].items() if "us" in v}
+        if not {new, old, "sdpa_contig"} <= us.keys():
+            continue
+        print(f"| {r['num_q_heads']}/{r['num_kv_heads']} | {r['batch']} × {r['context']} "
+              f"| {us[old]:.1f} | {us[new]:.1f} | {us['sdpa_contig']:.1f} "
+              f"| {us[new] / us[old]:.3f} | {us[new] / us['sdpa_contig']:.3f} |")
+    print()
+
+
 def report(path: Path) -> None:
     """Print the results of a JSON file as the markdown tables of chapter 8."""
     d = json.loads(path.read_text())
@@ -870,18 +900,9 @@ def report(path: Path) -> None:
         print()
         if d.get("v7_bar"):
             print("**v7 bar**:", json.dumps(d["v7_bar"]), "\n")
-    if d.get("v8"):
-        print("**v8** (µs per call; last columns: v8 / v7, v8 / SDPA)\n")
-        print("| batch × context | v7 | v8 | SDPA, contig. | v8 / v7 | v8 / SDPA |")
-        print("|---|---|---|---|---|---|")
-        for r in d["v8"]:
-            us = {n: v["us"] for n, v in r["paths"].items() if "us" in v}
-            if not {"ours_v7", "ours_v8", "sdpa_contig"} <= us.keys():
-                continue
-            print(f"| {r['batch']} × {r['context']} | {us['ours_v7']:.1f} | {us['ours_v8']:.1f} "
-                  f"| {us['sdpa_contig']:.1f} | {us['ours_v8'] / us['ours_v7']:.3f} "
-                  f"| {us['ours_v8'] / us['sdpa_contig']:.3f} |")
-        print()
+    for new in ("v8", "v9"):
+        if d.get(new):
+            print_versus(d[new], f"ours_{new}", "ours_v7", new)
     if d.get("mixed"):
         names = list(d["mixed"][0]["paths"])
         print("**mixed** (16/8 heads, block 16, contexts of a prompt of 100-1024 tokens plus "

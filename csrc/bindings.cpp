@@ -32,7 +32,8 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
             int num_kv_heads, int head_dim, int block_size, int max_blocks_per_seq,
             int64_t q_stride, int max_context_len, int partition_size, int max_splits,
             float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
-            int heads_per_cta, int stages, std::uintptr_t counters, std::uintptr_t seq_order) {
+            int heads_per_cta, int stages, std::uintptr_t counters, std::uintptr_t seq_order,
+            int64_t num_blocks) {
   DecodeParams p;
   p.out = as_ptr<void>(out);
   p.q = as_ptr<const void>(q);
@@ -44,6 +45,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
   p.part_ml = as_ptr<float>(part_ml);
   p.counters = as_ptr<int32_t>(counters);
   p.seq_order = as_ptr<const int32_t>(seq_order);
+  p.num_blocks = num_blocks;
   p.num_seqs = num_seqs;
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
@@ -76,6 +78,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
     case 6: return paged_attention_v6(p, as_stream(stream));
     case 7: return paged_attention_v7(p, as_stream(stream));
     case 8: return paged_attention_v8(p, as_stream(stream));
+    case 9: return paged_attention_v9(p, as_stream(stream));
     default: throw std::invalid_argument("unknown kernel version " + std::to_string(version));
   }
 }
@@ -84,7 +87,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mini-vllm CUDA kernels (raw-pointer interface; use mini_vllm.ops)";
-  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6, 7, 8);
+  m.attr("DECODE_VERSIONS") = py::make_tuple(1, 2, 3, 4, 5, 6, 7, 8, 9);
   m.attr("CUDA_ARCHITECTURES") = MINI_VLLM_CUDA_ARCHITECTURES;
   register_layer_ops(m);
   register_gemv_ops(m);
@@ -103,7 +106,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
         py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
         py::arg("heads_per_cta") = 0, py::arg("stages") = 0, py::arg("counters") = 0,
-        py::arg("seq_order") = 0);
+        py::arg("seq_order") = 0, py::arg("num_blocks") = 0);
 
   m.def(
       "reshape_and_cache",

@@ -49,6 +49,8 @@ struct DecodeParams {
   // lists the longest contexts first, so that the CTAs of the last wave are
   // the shortest (chapter 9). The output does not depend on it.
   const int32_t* seq_order = nullptr;
+  // Blocks in k/v_cache (version 9 describes the whole cache to the TMA).
+  int64_t num_blocks = 0;
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -85,6 +87,7 @@ void paged_attention_v5(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v6(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v7(const DecodeParams& p, cudaStream_t stream);
 void paged_attention_v8(const DecodeParams& p, cudaStream_t stream);
+void paged_attention_v9(const DecodeParams& p, cudaStream_t stream);
 
 // New tokens' K and V into their cache slots (slot -1: skip).
 struct CacheWriteParams {

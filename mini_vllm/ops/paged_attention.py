@@ -22,7 +22,7 @@ from mini_vllm.ops._checks import (
 )
 from mini_vllm.ops._extension import dtype_code, extension, num_sms
 
-DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # Version 7 (tensor cores) where it applies, version 5 for the rest (head_dim
 # 32, blocks of fewer than 16 tokens): measured on an H200, 7 is 1-3 % faster
 # than 5 at every shape of chapter 8's table and 1.5x at Qwen3-8B's heads.
@@ -148,16 +148,17 @@ def decode_grid(num_seqs: int, num_q_heads: int, num_kv_heads: int, max_context_
     """The split-K grid `paged_decode_attention` launches: `(partition_size, max_splits)`.
 
     Versions 1 and 2 do not split (one partition of the whole bound); versions
-    3-7 split by `decode_partition_size`, version 7 in partitions of at least
-    one 16-token tile and at most `V7_MAX_PARTITION_SIZE` tokens.
+    3-7 and 9 split by `decode_partition_size`, versions 7 and 9 in partitions of
+    at least one 16-token tile and at most `V7_MAX_PARTITION_SIZE` tokens.
     """
     if version < 3:
         return max(max_context_len, 1), 1
     group_per_cta = group_per_cta or heads_per_cta(num_q_heads, num_kv_heads, version)
-    max_size = V7_MAX_PARTITION_SIZE if version == 7 else MAX_PARTITION_SIZE
+    tiled = version in (7, 9)
+    max_size = V7_MAX_PARTITION_SIZE if tiled else MAX_PARTITION_SIZE
     size = decode_partition_size(num_seqs, num_q_heads, num_kv_heads, max_context_len, num_sms,
                                  group_per_cta, max_size)
-    if version == 7:  # one split of fewer than 16 tokens: a tile still spans 16
+    if tiled:  # one split of fewer than 16 tokens: a tile still spans 16
         size = max(size, V7_TILE_TOKENS)
     return size, max(1, -(-max_context_len // size))
 
@@ -188,7 +189,7 @@ def paged_decode_attention(
             a fused QKV output).
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
             same dtype; block_size a power of two; head_dim 32, 64 or 128
-            (version 7: block_size >= 16, head_dim 64 or 128).
+            (versions 7-9: block_size >= 16, head_dim 64 or 128).
         v_cache: like `k_cache`.
         block_tables: [num_seqs, max_blocks_per_seq] int32.
         context_lens: [num_seqs] int32, tokens in the cache per sequence (the
@@ -199,32 +200,34 @@ def paged_decode_attention(
             device sync). Under CUDA graphs pass the same bound (e.g.
             max_model_len) at capture and replay.
         out: optional [num_seqs, num_q_heads, head_dim] contiguous output.
-        version: kernel version 1-8 (see chapter 8); None: the one the
+        version: kernel version 1-9 (see chapter 8); None: the one the
             engine uses, `default_decode_version(head_dim, block_size)`. Version 7 does Q·Kᵀ and P·V on the
             tensor cores, one CTA per KV head for its whole GQA group; version 8
             runs the same tiles stream-K over a persistent grid (slower than
             7 on an H200, kept for comparison; no unroll, stages or
-            partition_size).
+            partition_size); version 9 is version 7 with its tiles copied by
+            the TMA (sm_90 and newer; as fast as 7 on an H200, not faster).
         partition_size: tokens per split (power of two, >= 16) for versions
             3-7; None picks one from the batch shape (`decode_partition_size`).
         unroll: tokens per lane per step in versions 4-6 (0: default;
             version 4 also builds 2 and 8, version 5 both 2 and 4, version 6
             1, 2 and 4, for bfloat16 / head_dim 128 only: a tuning knob);
-            in version 7, warps per CTA (0: 2; see `stages`).
+            in versions 7 and 9, warps per CTA (0: 2; see `stages`).
         cluster: version 5 on sm_90+: run the CTAs of neighbouring KV heads
             as thread-block clusters of this size (0: off; an experiment).
         group_per_cta: query heads per CTA (1, 2, 4 or 8 dividing the GQA
             group); None: `heads_per_cta(...)` for this version.
-        stages: versions 6 and 7: steps in the shared-memory ring (0: the
+        stages: versions 6, 7 and 9: steps in the shared-memory ring (0: the
             default). Version 6: 3 at unroll 2; built besides: unroll/stages
             1/8, 2/4, 2/6, 4/2, 4/3, 4/4 for bfloat16 / head_dim 128 and at
             most 2 query heads per CTA. Version 7: 3 stages of 16 tokens per
             warp, 2 warps; built besides: warps/stages (`unroll`/`stages`)
             1/4, 2/2, 2/4, 4/2, 4/3 for bfloat16 / head_dim 128 and 2 or 4
-            query heads per CTA. Tuning knobs.
+            query heads per CTA. Version 9: the same defaults; built
+            besides: 2/2, 2/4, 4/3. Tuning knobs.
         seq_order: optional [num_seqs] int32, a permutation of the sequences:
-            the order in which version 7's CTAs take them when its grid does
-            not fit on the GPU at once (`longest_first` gives the engine's).
+            the order in which version 7's (or 9's) CTAs take them when its
+            grid does not fit on the GPU at once (`longest_first` gives the engine's).
             A scheduling hint: the output is the same with or without it,
             and the other versions ignore it. It must hold every index once
             (not checked: that would need a device sync).
@@ -264,9 +267,9 @@ def paged_decode_attention(
         raise ValueError(f"version {version} is not one of {DECODE_VERSIONS}")
     if stages < 0:
         raise ValueError(f"stages must be >= 0, got {stages}")
-    if stages and version not in (6, 7):
-        raise ValueError(f"stages applies to versions 6 and 7 only, not to version {version}")
-    if version in (7, 8):
+    if stages and version not in (6, 7, 9):
+        raise ValueError(f"stages applies to versions 6, 7 and 9 only, not to version {version}")
+    if version in (7, 8, 9):
         if head_dim not in V7_HEAD_DIMS:
             raise ValueError(f"version {version} supports head_dim {V7_HEAD_DIMS}, "
                              f"not {head_dim}")
@@ -335,5 +338,6 @@ def paged_decode_attention(
             query.stride(0), max_context_len, partition_size, max_splits, float(scale),
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
             cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr(),
-            0 if seq_order is None or version != 7 else seq_order.data_ptr())
+            0 if seq_order is None or version not in (7, 9) else seq_order.data_ptr(),
+            k_cache.shape[0])
     return out

@@ -39,13 +39,21 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_SHAPES = ((16, 8, 128), (32, 8, 128), (4, 2, 32), (16, 2, 64), (40, 8, 128), (8, 8, 64))
 # The versions an engine would pick (the default among them): each is held to
 # every shape, dtype and block size below.
-FAST_VERSIONS = (5, 6, 7, 8)
+# Version 9 copies with the TMA, which sm_90 introduced (on older GPUs
+# `test_decode_every_version` checks that it says so).
+HAS_TMA = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+FAST_VERSIONS = (5, 6, 7, 8, 9) if HAS_TMA else (5, 6, 7, 8)
+# The versions that run v7's 16-token tensor-core tiles on a grid of CTAs per
+# (KV head, split, sequence): the cp.async copy (7) and the TMA copy (9).
+TILED_VERSIONS = (7, 9) if HAS_TMA else (7,)
 
 
 def _unsupported(version: int, heads: tuple[int, int, int]) -> str | None:
     """What the wrapper says when `version` cannot serve these heads (None: it can)."""
-    if version in (7, 8) and heads[2] not in V7_HEAD_DIMS:
+    if version in (7, 8, 9) and heads[2] not in V7_HEAD_DIMS:
         return f"version {version} supports head_dim .* not {heads[2]}"
+    if version == 9 and not HAS_TMA:
+        return "version 9 needs the TMA of an sm_90 GPU"
     return None
 
 
@@ -194,7 +202,8 @@ def test_decode_every_version(version: int, heads: tuple[int, int, int],
 TUNING_DEPTHS = [(4, 2, 0), (4, 8, 0), (5, 2, 0), (5, 4, 0), (6, 1, 8), (6, 2, 4), (6, 2, 6),
                  (6, 4, 2), (6, 4, 3), (6, 4, 4), (6, 4, 0), (6, 0, 4), (6, 1, 0),
                  (7, 1, 4), (7, 2, 2), (7, 2, 4), (7, 4, 2), (7, 4, 3), (7, 2, 3), (7, 0, 2),
-                 (7, 2, 0)]
+                 (7, 2, 0)] + ([(9, 2, 2), (9, 2, 4), (9, 4, 2), (9, 4, 3), (9, 0, 2)] if HAS_TMA
+                               else [])
 
 
 @pytest.mark.gpu
@@ -261,20 +270,22 @@ V7_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 1000, 8189]
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("version", TILED_VERSIONS)
 @pytest.mark.parametrize("heads", V7_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_v7_groups_and_tile_edges(dtype: torch.dtype, block_size: int,
-                                         heads: tuple[int, int, int]) -> None:
+                                         heads: tuple[int, int, int], version: int) -> None:
     """Every group and head dim; contexts that end on and around tile and block edges,
     with the partitions the wrapper picks (several splits for 8189 tokens) and with
     partitions of 32 tokens (many splits, shorter than a block from 64 up); the same
     with the pipeline a grid of many waves gets (4 warps, 2 stages)."""
-    gen = _gen("v7", str(dtype), block_size, heads)
-    assert heads_per_cta(heads[0], heads[1], 7) == heads[0] // heads[1]
-    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=7)
-    _run_decode(V7_CONTEXTS[:-1], block_size, heads, dtype, gen, version=7, partition_size=32)
-    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=7, unroll=4, stages=2)
+    gen = _gen("v7", str(dtype), block_size, heads, version)
+    assert heads_per_cta(heads[0], heads[1], version) == heads[0] // heads[1]
+    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=version)
+    _run_decode(V7_CONTEXTS[:-1], block_size, heads, dtype, gen, version=version,
+                partition_size=32)
+    _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=version, unroll=4, stages=2)
 
 
 @pytest.mark.gpu
@@ -282,19 +293,22 @@ def test_decode_v7_groups_and_tile_edges(dtype: torch.dtype, block_size: int,
 @pytest.mark.parametrize(("batch", "max_ctx"),
                          [(1, 8192), (3, 8189), (64, 1024), (128, 8192), (256, 300)])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (64, 8, 64)], ids=str)
-def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("version", TILED_VERSIONS)
+def test_decode_v7_batches(batch: int, max_ctx: int, heads: tuple[int, int, int],
+                           version: int) -> None:
     """Groups of 4 and 8 at batches of 1 to 256, one split or many; 128 x 8192 in one
     partition of 8,192 tokens, 256 sequences in a grid of many waves (the wide pipeline)."""
-    gen = _gen("v7 batches", batch, max_ctx, heads)
+    gen = _gen("v7 batches", batch, max_ctx, heads, version)
     lens = ([max_ctx - 7 * i for i in range(batch)] if batch <= 3
             else _context_lens(batch, max_ctx, 32, gen))
-    _run_decode(lens, 32, heads, torch.bfloat16, gen, version=7)
+    _run_decode(lens, 32, heads, torch.bfloat16, gen, version=version)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize(("version", "unroll", "stages"),
-                         [(7, 0, 0), (7, 2, 4), (7, 4, 2), (8, 0, 0)], ids=str)
+                         [(7, 0, 0), (7, 2, 4), (7, 4, 2), (8, 0, 0)]
+                         + ([(9, 0, 0), (9, 2, 4), (9, 4, 2)] if HAS_TMA else []), ids=str)
 def test_decode_v7_sees_the_kv_written_just_before(version: int, unroll: int,
                                                    stages: int) -> None:
     """Under programmatic launch v7 (and v8, for its first segment) fills the stages of
@@ -380,17 +394,19 @@ def test_decode_v8_stream_k(batch: int, max_ctx: int, zeros: int,
 @pytest.mark.parametrize(("batch", "max_ctx", "partition_size"),
                          [(3, 500, None), (40, 2000, None), (200, 2000, None), (700, 300, None),
                           (300, 1000, 128)])
-def test_decode_v7_seq_order(batch: int, max_ctx: int, partition_size: int | None) -> None:
+@pytest.mark.parametrize("version", TILED_VERSIONS)
+def test_decode_v7_seq_order(batch: int, max_ctx: int, partition_size: int | None,
+                             version: int) -> None:
     """`seq_order` only changes which CTAs start first: with it (longest first, or any
     permutation), version 7's output is bit-identical to the output without it, on grids
     that fit at once (where the launcher ignores it) and on grids of several waves (200
     or 700 sequences of 8 KV heads, with or without split-K), and in a CUDA graph that
     replays with new lengths and a new order."""
-    gen = _gen("order", batch, max_ctx, partition_size)
+    gen = _gen("order", batch, max_ctx, partition_size, version)
     lens = _context_lens(batch, max_ctx, 16, gen)
     k_cache, v_cache, tables, ctx = _paged_batch(lens, 16, 8, 128, torch.bfloat16, "cuda", gen)
     query = (2 * torch.randn((batch, 16, 128), generator=gen, device="cuda")).to(torch.bfloat16)
-    kw = {"version": 7, "partition_size": partition_size}
+    kw = {"version": version, "partition_size": partition_size}
 
     def run(order: torch.Tensor | None) -> torch.Tensor:
         out = torch.full_like(query, float("nan"))
@@ -621,12 +637,15 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"block_tables": torch.ones(2, 3, dtype=torch.int64)}, "block_tables: dtype int64"),
     ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
     ({"out": torch.empty(2, 16, 64, dtype=torch.bfloat16)}, "out: shape"),
-    ({"version": 9}, "version 9 is not one of"),
+    ({"version": 10}, "version 10 is not one of"),
+    ({"version": 9, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
+      "query": torch.randn(2, 4, 32, dtype=torch.bfloat16)}, "version 9 supports head_dim"),
     ({"version": 8, "partition_size": 64}, "version 8 takes no unroll, stages or partition_size"),
     ({"version": 8, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
       "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
       "query": torch.randn(2, 4, 32, dtype=torch.bfloat16)}, "version 8 supports head_dim"),
-    ({"version": 5, "stages": 3}, "stages applies to versions 6 and 7 only"),
+    ({"version": 5, "stages": 3}, "stages applies to versions 6, 7 and 9 only"),
     ({"version": 7, "k_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
       "v_cache": torch.randn(4, 16, 2, 32, dtype=torch.bfloat16),
       "query": torch.randn(2, 4, 32, dtype=torch.bfloat16)}, "version 7 supports head_dim"),
