@@ -651,6 +651,13 @@ def v8_shapes() -> list[tuple[int, int, int, int, int]]:
 V9_DEPTHS = ((2, 2), (2, 4), (4, 3))
 
 
+def ring_variants(version: int, depths: tuple[tuple[int, int], ...]) -> dict[str, dict]:
+    """`ours_v{version}` as the wrapper picks its ring, then at each (warps, stages)."""
+    return {f"ours_v{version}": {"version": version}} | {
+        f"ours_v{version}_w{w}s{st}": {"version": version, "unroll": w, "stages": st}
+        for w, st in depths}
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -680,9 +687,7 @@ def run(args: argparse.Namespace) -> dict:
         save()
     if "v7" in tables:
         print("v7: version 7 (warps/stages) vs version 5 and SDPA, contiguous")
-        variants = {"ours_v5": {"version": 5}, "ours_v7": {"version": 7}}
-        variants |= {f"ours_v7_w{w}s{st}": {"version": 7, "unroll": w, "stages": st}
-                     for w, st in V7_DEPTHS}
+        variants = {"ours_v5": {"version": 5}, **ring_variants(7, V7_DEPTHS)}
         result["v7"] = bench_decode(v7_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
                                     variants=variants)
         result["v7_bar"] = v7_bar_report(result["v7"])
@@ -710,9 +715,7 @@ def run(args: argparse.Namespace) -> dict:
         save()
     if "v9" in tables:
         print("v9: version 9 (v7's tiles copied by the TMA) vs version 7 and SDPA, contiguous")
-        variants = {"ours_v7": {"version": 7}, "ours_v9": {"version": 9}}
-        variants |= {f"ours_v9_w{w}s{st}": {"version": 9, "unroll": w, "stages": st}
-                     for w, st in V9_DEPTHS}
+        variants = {"ours_v7": {"version": 7}, **ring_variants(9, V9_DEPTHS)}
         result["v9"] = bench_decode(v7_shapes(), [*variants, "sdpa_contig"], copy_bw, device,
                                     variants=variants)
         save()
