@@ -471,6 +471,8 @@ def test_decode_zero_context_and_strided_query() -> None:
     query = qkv[:, : 16 * 128].view(5, 16, 128)  # row stride 32 * 128
     assert not query.is_contiguous()
     for version in ops.DECODE_VERSIONS:
+        if version == 9 and not HAS_TMA:
+            continue  # test_decode_every_version checks that it says why
         out = torch.full_like(query, float("nan"))
         ops.paged_decode_attention(query, k_cache, v_cache, tables, ctx, 0.1, 700, out=out,
                                    version=version)
