@@ -20,6 +20,21 @@ namespace tc_tile {
 // rows lie in one cache block (one table lookup per tile).
 constexpr int kV7Tile = 16;
 
+// Bytes of a ring of STAGES stages per warp, a stage being one tile's K and V.
+template <int HEAD_DIM, int WARPS, int STAGES>
+constexpr size_t ring_bytes() {
+  return static_cast<size_t>(WARPS) * STAGES * 2 * kV7Tile * HEAD_DIM * 2;
+}
+
+// The ring of a CTA that serves one (group, split, sequence), and what it
+// becomes after the loop: the end-of-CTA merge area (versions 7 and 9).
+template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
+constexpr size_t ring_or_merge_bytes() {
+  constexpr size_t ring = ring_bytes<HEAD_DIM, WARPS, STAGES>();
+  constexpr size_t merge = sizeof(MergeSmem<HEAD_DIM, GROUP, WARPS * 32>);
+  return ring > merge ? ring : merge;
+}
+
 // --8<-- [start:ptx]
 // cp_async16, cp_async_commit and cp_async_wait: csrc/cp_async.cuh.
 
@@ -303,7 +318,7 @@ __device__ __forceinline__ void merge_warps_and_store(
   }
 }
 
-// The checks every launcher of v7's tiles makes (versions 7, 8 and 9), with
+// The checks the launchers of v7 and v9 make (v8 ignores the partition), with
 // the version's name in the message. Returns log2(block_size).
 inline int check_tiled_decode(const DecodeParams& p, const char* version) {
   const std::string v = version;

@@ -67,14 +67,6 @@ constexpr int kV7WideWarps = 4;
 constexpr int kV7WideStages = 2;
 constexpr int kV7WideMinCtasPerSm = 12;
 
-// The ring, and what it becomes after the loop: the end-of-CTA merge.
-template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
-constexpr size_t v7_pipe_bytes() {
-  constexpr size_t ring = static_cast<size_t>(WARPS) * STAGES * 2 * kV7Tile * HEAD_DIM * 2;
-  constexpr size_t merge = sizeof(MergeSmem<HEAD_DIM, GROUP, WARPS * 32>);
-  return ring > merge ? ring : merge;
-}
-
 // --8<-- [start:kernel]
 template <typename T, int HEAD_DIM, int GROUP, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodeParams p,
@@ -84,7 +76,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   constexpr int NT = WARPS * 32;
   constexpr int KC = HEAD_DIM / 16;  // 16-column blocks of head_dim
   constexpr uint32_t kStageBytes = 2 * kV7Tile * HEAD_DIM * 2;
-  constexpr size_t PIPE = v7_pipe_bytes<HEAD_DIM, GROUP, WARPS, STAGES>();
+  constexpr size_t PIPE = ring_or_merge_bytes<HEAD_DIM, GROUP, WARPS, STAGES>();
   static_assert(PIPE % 16 == 0, "the table entries must start 16-byte aligned");
   // [warp 0: STAGES stages][warp 1: ...] (later the merge) | table entries
   extern __shared__ __align__(16) unsigned char v7_smem[];
@@ -216,7 +208,7 @@ struct V7Kernel {
 template <typename T, int HEAD_DIM, int GROUP, int WARPS, int STAGES>
 V7Kernel v7_kernel() {
   return {paged_attention_v7_kernel<T, HEAD_DIM, GROUP, WARPS, STAGES>, WARPS,
-          v7_pipe_bytes<HEAD_DIM, GROUP, WARPS, STAGES>()};
+          ring_or_merge_bytes<HEAD_DIM, GROUP, WARPS, STAGES>()};
 }
 
 // The kernel for (warps, stages); 0 and 0 pick the default, or the wide

@@ -53,13 +53,8 @@ constexpr int kV8MinTilesPerCta = 32;
 // The per-sequence tile offsets live in shared memory.
 constexpr int kV8MaxSeqs = 4096;
 
-// The ring (STAGES stages of K + V per warp) and, beside it, the merge area:
-// the next segment's first tiles land in the ring while this one merges.
-template <int HEAD_DIM, int WARPS, int STAGES>
-constexpr size_t v8_ring_bytes() {
-  return static_cast<size_t>(WARPS) * STAGES * 2 * kV7Tile * HEAD_DIM * 2;
-}
-
+// The merge area sits beside the ring (`ring_bytes`), not in it: the next
+// segment's first tiles land in the ring while this one merges.
 template <int HEAD_DIM, int GROUP, int WARPS>
 constexpr size_t v8_merge_bytes() {
   return (sizeof(MergeSmem<HEAD_DIM, GROUP, WARPS * 32>) + 15) / 16 * 16;
@@ -70,7 +65,7 @@ constexpr size_t v8_merge_bytes() {
 // tile offsets of the sequences and a few ints of scratch.
 template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
 size_t v8_smem_bytes(int num_seqs, int max_blocks_per_seq) {
-  return v8_ring_bytes<HEAD_DIM, WARPS, STAGES>() + v8_merge_bytes<HEAD_DIM, GROUP, WARPS>() +
+  return ring_bytes<HEAD_DIM, WARPS, STAGES>() + v8_merge_bytes<HEAD_DIM, GROUP, WARPS>() +
          sizeof(int) * (2 * static_cast<size_t>(max_blocks_per_seq) + num_seqs + 1 + WARPS + 1);
 }
 
@@ -151,7 +146,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
   constexpr int NT = WARPS * 32;
   constexpr int KC = HEAD_DIM / 16;
   constexpr uint32_t kStageBytes = 2 * kV7Tile * HEAD_DIM * 2;
-  constexpr size_t RING = v8_ring_bytes<HEAD_DIM, WARPS, STAGES>();
+  constexpr size_t RING = ring_bytes<HEAD_DIM, WARPS, STAGES>();
   constexpr size_t MERGE = v8_merge_bytes<HEAD_DIM, GROUP, WARPS>();
   extern __shared__ __align__(16) unsigned char v8_smem[];
   auto& sm = *reinterpret_cast<MergeSmem<HEAD_DIM, GROUP, NT>*>(v8_smem + RING);

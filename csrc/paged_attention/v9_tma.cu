@@ -65,17 +65,10 @@ constexpr int kV9WideMinCtasPerSm = 12;
 // addresses: the ring starts on such a boundary.
 constexpr uint32_t kV9Align = 1024;
 
-template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
-constexpr size_t v9_pipe_bytes() {
-  constexpr size_t ring = static_cast<size_t>(WARPS) * STAGES * 2 * kV7Tile * HEAD_DIM * 2;
-  constexpr size_t merge = sizeof(MergeSmem<HEAD_DIM, GROUP, WARPS * 32>);
-  return ring > merge ? ring : merge;
-}
-
 // Shared memory: [alignment slack][ring, later the merge][mbarriers][table].
 template <int HEAD_DIM, int GROUP, int WARPS, int STAGES>
 constexpr size_t v9_fixed_bytes() {
-  return kV9Align + v9_pipe_bytes<HEAD_DIM, GROUP, WARPS, STAGES>() + WARPS * STAGES * 8;
+  return kV9Align + ring_or_merge_bytes<HEAD_DIM, GROUP, WARPS, STAGES>() + WARPS * STAGES * 8;
 }
 
 // One lane issues a tile: its bytes on the stage's barrier, then the K and V boxes.
@@ -107,7 +100,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int CPR = HEAD_DIM / 8;
   constexpr uint32_t kTileBytes = kV7Tile * HEAD_DIM * 2;
   constexpr uint32_t kStageBytes = 2 * kTileBytes;
-  constexpr size_t PIPE = v9_pipe_bytes<HEAD_DIM, GROUP, WARPS, STAGES>();
+  constexpr size_t PIPE = ring_or_merge_bytes<HEAD_DIM, GROUP, WARPS, STAGES>();
   using Layout = TmaSwizzle<HEAD_DIM>;
   extern __shared__ __align__(16) unsigned char v9_smem[];
   const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(v9_smem));
