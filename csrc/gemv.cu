@@ -83,7 +83,7 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& w_lo, cons
 template <typename T, int NT, int S, bool PRELOAD>
 __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
     T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int m, int n, int k,
-    int64_t x_stride) {
+    int64_t x_stride, bool accumulate) {
   constexpr int NW = S > 4 ? S : 4;  // warps per block
   constexpr int G = NW / S;          // tiles per block
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -181,7 +181,10 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
     for (int i = 0; i < 4; ++i) {
       const int row = row0 + g + (i / 2) * 8, r = 8 * j + 2 * q + i % 2;
       if (r < m && row < n) {
-        y[static_cast<int64_t>(r) * n + row] = TypeTraits<T>::from_float(d[j][i]);
+        // accumulate: y += x W^T (a residual stream updated in place), one rounding.
+        T* out = y + static_cast<int64_t>(r) * n + row;
+        *out = TypeTraits<T>::from_float(accumulate ? d[j][i] + TypeTraits<T>::to_float(*out)
+                                                    : d[j][i]);
       }
     }
   }
@@ -223,7 +226,7 @@ void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   launch_kernel(blocks <= wave ? early : gemv_kernel<T, NT, S, false>, dim3(blocks),
                 dim3(32 * NW), 0, stream, "gemv", static_cast<T*>(p.y),
                 static_cast<const T*>(p.x), static_cast<const T*>(p.w), p.m, p.n, p.k,
-                p.x_stride);
+                p.x_stride, p.accumulate);
 }
 // --8<-- [end:gemv_launch]
 

@@ -36,6 +36,8 @@ struct GemvParams {
   // Warps that share one tile of 16 output rows, each summing a slice of k
   // (1, 2, 4, 8 or 16); 0: the kernel's choice (choose_splits in gemv.cu).
   int splits = 0;
+  // y += x @ w^T instead of y = x @ w^T (y read, the sum rounded once).
+  bool accumulate = false;
 };
 
 void gemv(const GemvParams& p, cudaStream_t stream);

@@ -41,8 +41,11 @@ void register_layer_ops(py::module_& m) {
          std::uintptr_t cos_sin_cache, std::uintptr_t positions, int num_tokens,
          int num_q_heads, int num_kv_heads, int head_dim, int64_t token_stride, float eps,
          int dtype, std::uintptr_t stream, std::uintptr_t k_cache, std::uintptr_t v_cache,
-         std::uintptr_t slot_mapping) {
+         std::uintptr_t slot_mapping, std::uintptr_t residual, int hidden, float residual_eps) {
         QkNormRopeParams p;
+        p.residual = as_ptr<const void>(residual);
+        p.hidden = hidden;
+        p.residual_eps = residual_eps;
         p.qkv = as_ptr<void>(qkv);
         p.k_cache = as_ptr<void>(k_cache);
         p.v_cache = as_ptr<void>(v_cache);
@@ -61,18 +64,23 @@ void register_layer_ops(py::module_& m) {
         qk_norm_rope(p, as_stream(stream));
       },
       "Per-head RMSNorm + neox RoPE of q and k inside a fused qkv output, in place; with "
-      "slot_mapping != 0, k and v are also stored in the KV cache.",
+      "slot_mapping != 0, k and v are also stored in the KV cache; with residual != 0, q, k "
+      "and v are first scaled by each token's 1 / rms(residual) (norms folded into qkv_proj).",
       py::arg("qkv"), py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin_cache"),
       py::arg("positions"), py::arg("num_tokens"), py::arg("num_q_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("eps"),
       py::arg("dtype"), py::arg("stream"), py::arg("k_cache") = 0, py::arg("v_cache") = 0,
-      py::arg("slot_mapping") = 0);
+      py::arg("slot_mapping") = 0, py::arg("residual") = 0, py::arg("hidden") = 0,
+      py::arg("residual_eps") = 1e-6f);
 
   m.def(
       "silu_and_mul",
       [](std::uintptr_t out, std::uintptr_t x, int num_tokens, int d, int dtype,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t residual, int hidden, float residual_eps) {
         SiluAndMulParams p;
+        p.residual = as_ptr<const void>(residual);
+        p.hidden = hidden;
+        p.residual_eps = residual_eps;
         p.out = as_ptr<void>(out);
         p.x = as_ptr<const void>(x);
         p.num_tokens = num_tokens;
@@ -80,8 +88,11 @@ void register_layer_ops(py::module_& m) {
         p.dtype = as_dtype(dtype);
         silu_and_mul(p, as_stream(stream));
       },
-      "out = silu(x[:, :d]) * x[:, d:].", py::arg("out"), py::arg("x"), py::arg("num_tokens"),
-      py::arg("d"), py::arg("dtype"), py::arg("stream"));
+      "out = silu(x[:, :d]) * x[:, d:]; with residual != 0, x is first scaled by each row's "
+      "1 / rms(residual) (the norm folded into gate_up_proj).",
+      py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"),
+      py::arg("stream"), py::arg("residual") = 0, py::arg("hidden") = 0,
+      py::arg("residual_eps") = 1e-6f);
 
   m.def(
       "sample_tokens",

@@ -12,9 +12,17 @@
 //                       optionally also storing k and v in the KV cache
 //   silu_and_mul        y = silu(gate) * up
 //
+// With the norms folded into the weights (mini_vllm/models/qwen3.py), the
+// matrix products before q/k-norm + RoPE and before silu_and_mul take the raw
+// residual stream r; these two kernels then multiply their inputs by the
+// token's 1 / rms(r) first (rows_inv_rms below), which is all that is left of
+// the decoder layer's two RMSNorms.
+//
 // They round where the torch reference rounds (after every bf16/fp16
 // operation of the eager code); only the order of the float32 sums inside a
 // reduction differs, so outputs match the reference to within one rounding.
+#include <algorithm>
+
 // --8<-- [start:rounding]
 #include "common.cuh"
 #include "layer_params.h"
@@ -38,6 +46,29 @@ __device__ __forceinline__ void pack8(const float (&f)[8], uint4& v) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = TypeTraits<T>::from_float(f[i]);
 }
+
+// --8<-- [start:row_inv_rms]
+// 1 / sqrt(mean(r^2) + eps) of one row of `hidden` elements (a multiple of 8),
+// summed in float32 by all the threads of the block (a multiple of 32, at
+// most 1024); every thread gets it.
+template <typename T>
+__device__ __forceinline__ float row_inv_rms(const T* __restrict__ r, int hidden, float eps,
+                                             float* scratch) {
+  float sumsq = 0.f;
+  for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
+    float v[8];
+    unpack8<T>(*reinterpret_cast<const uint4*>(r + c * 8), v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sumsq += v[j] * v[j];
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  sumsq = warp_sum(sumsq);
+  if (lane == 0) scratch[warp] = sumsq;
+  __syncthreads();
+  sumsq = warp_sum(lane < blockDim.x / 32 ? scratch[lane] : 0.f);
+  return rsqrtf(sumsq / hidden + eps);
+}
+// --8<-- [end:row_inv_rms]
 
 // --8<-- [start:rms_norm]
 // One block of NT threads per row; each thread holds VPT 16-byte vectors of
@@ -95,9 +126,11 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // --8<-- [end:rms_norm]
 
 // --8<-- [start:qk_norm_rope]
-// One warp per (token, head) of q and k, in place in the fused qkv output.
-// Lane l owns the rotary pairs (i, i + D/2) for i = l, l + 32, ...: both
-// halves of a pair meet in one thread, so the rotation needs no shuffle.
+// One warp per (token, head) of q and k, in place in the fused qkv output; a
+// block holds the heads of one token, or a group of them past 32 heads
+// (blockIdx.x the token, blockIdx.y the group). Lane l owns the rotary pairs (i, i + D/2) for i = l,
+// l + 32, ...: both halves of a pair meet in one thread, so the rotation
+// needs no shuffle.
 //   torch reference, per head:  y = round(w * round(x * inv_rms))
 //                               c, s = round(cos), round(sin)
 //   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))
@@ -105,25 +138,29 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // that head: it stores the values it writes back into qkv in slot
 // slot_mapping[token] of the K cache (the same bits, nothing rounded again)
 // and copies v head h into the V cache; slot < 0 (a padding token) is skipped.
-template <typename T, int D, bool CACHE>
-__global__ void qk_norm_rope_kernel(T* __restrict__ qkv, T* __restrict__ k_cache,
-                                    T* __restrict__ v_cache,
-                                    const int64_t* __restrict__ slot_mapping,
-                                    const T* __restrict__ q_weight,
-                                    const T* __restrict__ k_weight,
-                                    const float* __restrict__ cos_sin_cache,
-                                    const int64_t* __restrict__ positions, int num_tokens,
-                                    int num_q_heads, int num_kv_heads, int64_t token_stride,
-                                    float eps) {
+// With SCALED (folded norms), q, k and v first become round(x * s) with s the
+// token's 1 / rms of `residual`: the block computes s once, the k-head warps
+// scale their v head too and write it back into qkv (and the cache).
+template <typename T, int D, bool CACHE, bool SCALED>
+__global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
+    T* __restrict__ qkv, T* __restrict__ k_cache, T* __restrict__ v_cache,
+    const int64_t* __restrict__ slot_mapping, const T* __restrict__ q_weight,
+    const T* __restrict__ k_weight, const float* __restrict__ cos_sin_cache,
+    const int64_t* __restrict__ positions, const T* __restrict__ residual, int hidden,
+    float residual_eps, int num_q_heads, int num_kv_heads, int64_t token_stride, float eps) {
   constexpr int HALF = D / 2;
   constexpr int PAIRS = HALF / 32;  // pairs per lane
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int token = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int heads = num_q_heads + num_kv_heads;
+  // Warps past the last head (the last group of a head count that does not
+  // divide evenly) load head 0 with the others, join the block's sum of the
+  // residual, and leave before storing anything.
+  const int warp_head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+  const bool active = warp_head < heads;
+  const int head = active ? warp_head : 0;
   pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
   pdl_wait();
-  if (warp >= num_tokens * heads) return;
-  const int token = warp / heads, head = warp % heads;
   const bool is_q = head < num_q_heads;
   T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
   const T* w = is_q ? q_weight : k_weight;
@@ -134,23 +171,44 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ qkv, T* __restrict__ k_cache
     const int64_t slot = is_q ? -1 : slot_mapping[token];
     if (slot >= 0) cache_off = (slot * num_kv_heads + head - num_q_heads) * D;
   }
+  // Scaled, the v head of every k-head warp is rewritten; else only copied to the cache.
+  const bool has_v = !is_q && (SCALED || cache_off >= 0);
 
   const float* cs = cos_sin_cache + positions[token] * D;  // [cos (D/2) | sin (D/2)]
   float a[PAIRS], b[PAIRS];
-  float sumsq = 0.f;
 #pragma unroll
   for (int p = 0; p < PAIRS; ++p) {
     a[p] = TypeTraits<T>::to_float(x[lane + p * 32]);
     b[p] = TypeTraits<T>::to_float(x[lane + p * 32 + HALF]);
-    sumsq += a[p] * a[p] + b[p] * b[p];
   }
   // v head h (num_kv_heads heads past k head h), loaded with k rather than
   // after it: one trip to memory fewer on the warp's path.
-  T v[CACHE ? D / 32 : 1];
-  if (CACHE && cache_off >= 0) {
+  constexpr int VN = CACHE || SCALED ? D / 32 : 1;
+  T v[VN];
+  if (has_v) {
 #pragma unroll
-    for (int j = 0; j < D / 32; ++j) v[j] = x[num_kv_heads * D + lane + j * 32];
+    for (int j = 0; j < VN; ++j) v[j] = x[num_kv_heads * D + lane + j * 32];
   }
+  if constexpr (SCALED) {  // the residual's row is read while the loads above are on their way
+    __shared__ float scratch[32];
+    const float scale = row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden, hidden,
+                                       residual_eps, scratch);
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+      a[p] = round_to<T>(a[p] * scale);
+      b[p] = round_to<T>(b[p] * scale);
+    }
+    if (has_v) {
+#pragma unroll
+      for (int j = 0; j < VN; ++j) {
+        v[j] = TypeTraits<T>::from_float(TypeTraits<T>::to_float(v[j]) * scale);
+      }
+    }
+  }
+  if (!active) return;
+  float sumsq = 0.f;
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
   const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
 #pragma unroll
   for (int p = 0; p < PAIRS; ++p) {
@@ -168,33 +226,53 @@ __global__ void qk_norm_rope_kernel(T* __restrict__ qkv, T* __restrict__ k_cache
       k_cache[cache_off + i + HALF] = out2;
     }
   }
-  if (CACHE && cache_off >= 0) {
+  if (has_v) {
 #pragma unroll
-    for (int j = 0; j < D / 32; ++j) v_cache[cache_off + lane + j * 32] = v[j];
+    for (int j = 0; j < VN; ++j) {
+      if constexpr (SCALED) x[num_kv_heads * D + lane + j * 32] = v[j];
+      if (CACHE && cache_off >= 0) v_cache[cache_off + lane + j * 32] = v[j];
+    }
   }
 }
 // --8<-- [end:qk_norm_rope]
 
 // --8<-- [start:silu_and_mul]
-// y = round(round(silu(gate)) * up), 8 elements (16 bytes) per thread.
-template <typename T>
-__global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int d,
-                                    int64_t num_vec) {
-  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+// y = round(round(silu(gate)) * up), 8 elements (16 bytes) per thread, one
+// block per row (a row wider than the block is taken in several rounds). With
+// SCALED (folded norms), gate and up first become round(x * s), s the row's
+// 1 / rms of `residual`.
+template <typename T, bool SCALED>
+__global__ void __launch_bounds__(1024) silu_and_mul_kernel(T* __restrict__ out,
+                                                           const T* __restrict__ x, int d,
+                                                           const T* __restrict__ residual,
+                                                           int hidden, float residual_eps) {
+  const int64_t row = blockIdx.x;
   pdl_launch_dependents();  // launched with PDL (pdl.cuh): x comes from the kernel before
   pdl_wait();
-  if (idx >= num_vec) return;
-  const int vec_per_row = d / 8;
-  const int64_t row = idx / vec_per_row;
-  const int c = static_cast<int>(idx % vec_per_row) * 8;
-  float g[8], u[8], y[8];
-  unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + c), g);
-  unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + d + c), u);
+  float scale = 1.f;
+  for (int c = threadIdx.x * 8, first = 1; c < d || first; c += blockDim.x * 8, first = 0) {
+    float g[8], u[8], y[8];
+    if (c < d) {
+      unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + c), g);
+      unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + d + c), u);
+    }
+    if (SCALED && first) {  // the residual's row is read while gate and up are on their way
+      __shared__ float scratch[32];
+      scale = row_inv_rms<T>(residual + row * hidden, hidden, residual_eps, scratch);
+    }
+    if (c >= d) continue;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) y[j] = round_to<T>(g[j] / (1.f + __expf(-g[j]))) * u[j];
-  uint4 packed;
-  pack8<T>(y, packed);
-  *reinterpret_cast<uint4*>(out + row * d + c) = packed;
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (SCALED) {
+        g[j] = round_to<T>(g[j] * scale);
+        u[j] = round_to<T>(u[j] * scale);
+      }
+      y[j] = round_to<T>(g[j] / (1.f + __expf(-g[j]))) * u[j];
+    }
+    uint4 packed;
+    pack8<T>(y, packed);
+    *reinterpret_cast<uint4*>(out + row * d + c) = packed;
+  }
 }
 // --8<-- [end:silu_and_mul]
 
@@ -226,17 +304,22 @@ void launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 void launch_qk_norm_rope_d(const QkNormRopeParams& p, cudaStream_t stream) {
-  constexpr int NT = 128;
-  const int64_t warps = static_cast<int64_t>(p.num_tokens) * (p.num_q_heads + p.num_kv_heads);
-  const int64_t blocks = (warps * 32 + NT - 1) / NT;
-  const auto kernel = p.slot_mapping != nullptr ? qk_norm_rope_kernel<T, D, true>
-                                                : qk_norm_rope_kernel<T, D, false>;
-  launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(NT), 0, stream,
-                "qk_norm_rope", static_cast<T*>(p.qkv), static_cast<T*>(p.k_cache),
+  // A warp per head: all the heads of a token in one block (Qwen3-0.6B: 24
+  // warps), in groups of at most 32 warps past that.
+  const int heads = p.num_q_heads + p.num_kv_heads;
+  const int groups = (heads + 31) / 32, warps = (heads + groups - 1) / groups;
+  const dim3 grid(static_cast<unsigned>(p.num_tokens), groups);
+  const bool cache = p.slot_mapping != nullptr, scaled = p.residual != nullptr;
+  const auto kernel = cache ? (scaled ? qk_norm_rope_kernel<T, D, true, true>
+                                      : qk_norm_rope_kernel<T, D, true, false>)
+                            : (scaled ? qk_norm_rope_kernel<T, D, false, true>
+                                      : qk_norm_rope_kernel<T, D, false, false>);
+  launch_kernel(kernel, grid, dim3(32 * warps), 0, stream, "qk_norm_rope",
+                static_cast<T*>(p.qkv), static_cast<T*>(p.k_cache),
                 static_cast<T*>(p.v_cache), p.slot_mapping,
                 static_cast<const T*>(p.q_weight), static_cast<const T*>(p.k_weight),
-                p.cos_sin_cache, p.positions, p.num_tokens, p.num_q_heads, p.num_kv_heads,
-                p.token_stride, p.eps);
+                p.cos_sin_cache, p.positions, static_cast<const T*>(p.residual), p.hidden,
+                p.residual_eps, p.num_q_heads, p.num_kv_heads, p.token_stride, p.eps);
 }
 
 template <typename T>
@@ -251,12 +334,13 @@ void launch_qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
 
 template <typename T>
 void launch_silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
-  constexpr int NT = 256;
-  const int64_t num_vec = static_cast<int64_t>(p.num_tokens) * (p.d / 8);
-  const int64_t blocks = (num_vec + NT - 1) / NT;
-  launch_kernel(silu_and_mul_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(NT), 0,
-                stream, "silu_and_mul", static_cast<T*>(p.out), static_cast<const T*>(p.x),
-                p.d, num_vec);
+  // A thread per 16-byte vector of the row (Qwen3-0.6B: 384), at most 1024.
+  const int threads = std::min(1024, (p.d / 8 + 31) / 32 * 32);
+  const auto kernel = p.residual != nullptr ? silu_and_mul_kernel<T, true>
+                                            : silu_and_mul_kernel<T, false>;
+  launch_kernel(kernel, dim3(static_cast<unsigned>(p.num_tokens)), dim3(threads), 0, stream,
+                "silu_and_mul", static_cast<T*>(p.out), static_cast<const T*>(p.x), p.d,
+                static_cast<const T*>(p.residual), p.hidden, p.residual_eps);
 }
 
 }  // namespace
@@ -281,6 +365,9 @@ void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
   if (p.slot_mapping != nullptr && (p.k_cache == nullptr || p.v_cache == nullptr)) {
     throw std::invalid_argument("qk_norm_rope: slot_mapping needs both k_cache and v_cache");
   }
+  if (p.residual != nullptr && (p.hidden <= 0 || p.hidden % 8)) {
+    throw std::invalid_argument("qk_norm_rope: the residual's width must be a multiple of 8");
+  }
   switch (p.dtype) {
     case DType::kBFloat16: return launch_qk_norm_rope<__nv_bfloat16>(p, stream);
     case DType::kFloat16: return launch_qk_norm_rope<__half>(p, stream);
@@ -291,6 +378,9 @@ void qk_norm_rope(const QkNormRopeParams& p, cudaStream_t stream) {
 void silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return;
   if (p.d % 8) throw std::invalid_argument("silu_and_mul: the width must be a multiple of 8");
+  if (p.residual != nullptr && (p.hidden <= 0 || p.hidden % 8)) {
+    throw std::invalid_argument("silu_and_mul: the residual's width must be a multiple of 8");
+  }
   switch (p.dtype) {
     case DType::kBFloat16: return launch_silu_and_mul<__nv_bfloat16>(p, stream);
     case DType::kFloat16: return launch_silu_and_mul<__half>(p, stream);

@@ -40,6 +40,9 @@ struct RmsNormParams {
 //   positions      [num_tokens] int64
 //   k/v_cache      [num_blocks, block_size, num_kv_heads, head_dim] contiguous, qkv's dtype
 //   slot_mapping   [num_tokens] int64, block * block_size + offset; < 0: not stored
+//   residual       [num_tokens, hidden] contiguous, or nullptr: with the norms folded into
+//                  qkv_proj, q, k and v are first multiplied by each token's
+//                  1 / sqrt(mean(residual^2) + residual_eps), and v is written back too
 struct QkNormRopeParams {
   void* qkv = nullptr;
   void* k_cache = nullptr;
@@ -49,6 +52,9 @@ struct QkNormRopeParams {
   const void* k_weight = nullptr;
   const float* cos_sin_cache = nullptr;
   const int64_t* positions = nullptr;
+  const void* residual = nullptr;
+  int hidden = 0;
+  float residual_eps = 1e-6f;
   int num_tokens = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
@@ -59,11 +65,17 @@ struct QkNormRopeParams {
 };
 
 // out = silu(x[:, :d]) * x[:, d:]
-//   x    [num_tokens, 2 * d] contiguous
-//   out  [num_tokens, d]     contiguous
+//   x         [num_tokens, 2 * d] contiguous
+//   out       [num_tokens, d]     contiguous
+//   residual  [num_tokens, hidden] contiguous, or nullptr: with the norm folded into
+//             gate_up_proj, x is first multiplied by each row's
+//             1 / sqrt(mean(residual^2) + residual_eps)
 struct SiluAndMulParams {
   void* out = nullptr;
   const void* x = nullptr;
+  const void* residual = nullptr;
+  int hidden = 0;
+  float residual_eps = 1e-6f;
   int num_tokens = 0;
   int d = 0;
   DType dtype = DType::kBFloat16;

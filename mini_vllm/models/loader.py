@@ -162,7 +162,15 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             f"checkpoint {model_dir} is missing {len(missing)} tensor(s): "
             + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
         )
+    _after_loading(model)
 # --8<-- [end:load_weights]
+
+
+def _after_loading(model: nn.Module) -> None:
+    # What a model does to its weights once they are all in (folding norms).
+    process = getattr(model, "process_weights_after_loading", None)
+    if process is not None:
+        process()
 
 
 @torch.no_grad()
@@ -179,6 +187,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(1.0, 0.1, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+    _after_loading(model)
 
 
 def load_model(

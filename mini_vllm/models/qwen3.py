@@ -80,6 +80,14 @@ class Linear(nn.Module):
         if self.use_kernels and gemv_usable(x, self.weight):
             return gemv(x, self.weight)
         return F.linear(x, self.weight)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`out += x @ W.T` in place, the sum rounded once: a sub-layer's output
+        added into the residual stream by the matrix product itself."""
+        if self.use_kernels and gemv_usable(x, self.weight):
+            gemv(x, self.weight, out=out, accumulate=True)
+        else:
+            out.addmm_(x, self.weight.t())
 # --8<-- [end:linear]
 
 
@@ -244,8 +252,37 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         """`rope` is `(cos, sin)` of the tokens, or with the CUDA kernels the
         model's `(cos_sin_cache, positions)`."""
-        t = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        o = self._attend(rope, hidden_states, kv_cache, attn_metadata)
+        return self.o_proj(o)
+
+    def forward_folded(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor,
+        norm_eps: float,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> None:
+        """`residual += attention(norm(residual))`, the norm's weight folded into
+        `qkv_proj` (see `Qwen3ForCausalLM.process_weights_after_loading`)."""
+        o = self._attend(rope, residual, kv_cache, attn_metadata, (residual, norm_eps))
+        self.o_proj.add_to(o, residual)
+
+    def _attend(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        scale_by: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """Attention's output before `o_proj`, `[T, q_size]`.
+
+        `scale_by = (residual, eps)`: `x` is the raw residual stream, and the
+        rows of `qkv` are scaled by its `1 / rms` before anything else.
+        """
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         kv_written = False
         if self.use_kernels:  # norms + RoPE of every q and k head: one launch, in place
             cos_sin_cache, positions = rope
@@ -254,9 +291,13 @@ class Qwen3Attention(nn.Module):
             kv_written = getattr(self.attn.backend, "write_impl", None) == "kernel"
             cache_write = ({"kv_cache": kv_cache, "slot_mapping": attn_metadata.slot_mapping}
                            if kv_written else {})
+            scale = ({"residual": scale_by[0], "residual_eps": scale_by[1]}
+                     if scale_by is not None else {})
             layer_ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos_sin_cache,
                                    positions, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, self.q_norm.eps, **cache_write)
+                                   self.head_dim, self.q_norm.eps, **cache_write, **scale)
+        elif scale_by is not None:
+            qkv = layer_ops.scale_rows_ref(qkv, *scale_by)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -267,7 +308,7 @@ class Qwen3Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         o = self.attn(q, k, v, kv_cache, attn_metadata, kv_written=kv_written)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(t, self.q_size)
 # --8<-- [end:attention]
 
 
@@ -294,6 +335,15 @@ class Qwen3MLP(nn.Module):
         if self.use_kernels:
             return self.down_proj(layer_ops.silu_and_mul(gate_up))
         return self.down_proj(layer_ops.silu_and_mul_ref(gate_up))
+
+    def forward_folded(self, residual: torch.Tensor, norm_eps: float) -> None:
+        """`residual += mlp(norm(residual))`, the norm's weight folded into `gate_up_proj`."""
+        gate_up = self.gate_up_proj(residual)  # rows still to be scaled by 1 / rms(residual)
+        if self.use_kernels:
+            act = layer_ops.silu_and_mul(gate_up, residual, norm_eps)
+        else:
+            act = layer_ops.silu_and_mul_ref(layer_ops.scale_rows_ref(gate_up, residual, norm_eps))
+        self.down_proj.add_to(act, residual)
 # --8<-- [end:mlp]
 
 
@@ -345,6 +395,37 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 # --8<-- [end:decoder_layer]
 
+    # --8<-- [start:decoder_layer_folded]
+    def forward_folded(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> None:
+        """The block with its two norms folded into the weights: `residual` in place.
+
+            residual += o_proj(attention(scale(qkv_proj'(residual))))
+            residual += down_proj(silu_and_mul(scale(gate_up_proj'(residual))))
+
+        `qkv_proj'` and `gate_up_proj'` hold `W * diag(norm.weight)`; `scale`
+        multiplies each row by its token's `1 / rms(residual)` inside the kernel
+        after the product (q/k-norm + RoPE, SiLU), and `o_proj` and `down_proj`
+        add into the residual stream themselves: no norm kernel is left.
+        """
+        self.self_attn.forward_folded(rope, residual, self.input_layernorm.eps, kv_cache,
+                                      attn_metadata)
+        self.mlp.forward_folded(residual, self.post_attention_layernorm.eps)
+
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """`W <- W * diag(norm.weight)` for the products after the two norms."""
+        for linear, norm in ((self.self_attn.qkv_proj, self.input_layernorm),
+                             (self.mlp.gate_up_proj, self.post_attention_layernorm)):
+            w = linear.weight
+            w.copy_((w.float() * norm.weight.float()).to(w.dtype))
+    # --8<-- [end:decoder_layer_folded]
+
 
 class Qwen3Model(nn.Module):
     """Embeddings, the decoder layers and the final norm (no LM head)."""
@@ -356,9 +437,12 @@ class Qwen3Model(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         use_kernels: bool = False,
+        fold_norms: bool = False,
     ) -> None:
         super().__init__()
         self.use_kernels = use_kernels
+        self.fold_norms = fold_norms
+        self.norms_folded = False  # set by Qwen3ForCausalLM.process_weights_after_loading
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, backend, device, dtype, use_kernels)
@@ -383,6 +467,14 @@ class Qwen3Model(nn.Module):
             rope = (self.rotary_emb.cos_sin_cache, positions)
         else:
             rope = self.rotary_emb(positions, h.dtype)  # gathered once, used by every layer
+        if self.fold_norms:
+            if not self.norms_folded:
+                raise RuntimeError("fold_norms: the norm weights are not folded into the "
+                                   "weights yet; call process_weights_after_loading() after "
+                                   "loading them (load_weights and init_dummy_weights do)")
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                layer.forward_folded(rope, h, kv_cache, attn_metadata)  # h: the residual
+            return self.norm(h)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(rope, h, residual, kv_cache, attn_metadata)
@@ -404,6 +496,11 @@ class Qwen3ForCausalLM(nn.Module):
             of `mini_vllm.ops.layer_ops`, and the linear layers of steps of
             1 to 16 tokens through `mini_vllm.ops.gemv` (default: when they
             can run here).
+        fold_norms: fold each decoder layer's two RMSNorm weights into the
+            matrix product after it, and leave only their row scale, applied by
+            the kernel after that product, so that a layer runs no norm kernel
+            (chapter 9). Default: with `use_kernels`. The weights are folded
+            by `process_weights_after_loading`, which the loaders call.
     """
 
     # --8<-- [start:packed]
@@ -421,12 +518,15 @@ class Qwen3ForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         use_kernels: bool | None = None,
+        fold_norms: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         if use_kernels is None:
             use_kernels = layer_kernels_usable(config, device, dtype)
-        self.model = Qwen3Model(config, attn_backend, device, dtype, use_kernels)
+        if fold_norms is None:
+            fold_norms = use_kernels
+        self.model = Qwen3Model(config, attn_backend, device, dtype, use_kernels, fold_norms)
         tied = config.tie_word_embeddings
         self.lm_head = Linear(
             config.hidden_size, [config.vocab_size], "meta" if tied else device, dtype,
@@ -457,6 +557,21 @@ class Qwen3ForCausalLM(nn.Module):
             `[T, hidden_size]` final hidden states (after the last norm).
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def process_weights_after_loading(self) -> None:
+        """Fold the decoder layers' norm weights into their weights (with `fold_norms`).
+
+        Called once, after every parameter holds its checkpoint value (the
+        loaders do, and a model's weights are loaded once); folding twice would
+        scale the weights twice, so a second call raises.
+        """
+        if not self.model.fold_norms:
+            return
+        if self.model.norms_folded:
+            raise RuntimeError("process_weights_after_loading: the norms are already folded")
+        for layer in self.model.layers:
+            layer.fold_norm_weights()
+        self.model.norms_folded = True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Project `[N, hidden_size]` hidden states to `[N, vocab_size]` float32 logits."""

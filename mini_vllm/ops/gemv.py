@@ -45,7 +45,7 @@ def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-         splits: int = 0) -> torch.Tensor:
+         splits: int = 0, accumulate: bool = False) -> torch.Tensor:
     """The CUDA kernel of `gemv_ref` for 1 to 16 rows: `[rows, K] @ [N, K].T -> [rows, N]`.
 
     Products are summed in float32 and each output is rounded once to the
@@ -63,6 +63,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
         out: [rows, N] contiguous tensor to write into (a new one when None).
         splits: warps that share a tile of 16 output rows, each summing part
             of K (1, 2, 4, 8 or 16); 0 lets the kernel choose (for tests and tuning).
+        accumulate: `out += x @ weight.T` (the sum rounded once, as
+            `out.addmm_` rounds it); `out` is then required. The model adds
+            `o_proj` and `down_proj` into its residual stream this way.
 
     Returns:
         `out`, or a new [rows, N] tensor.
@@ -88,6 +91,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     if splits not in GEMV_SPLITS:
         raise ValueError(f"splits must be one of {GEMV_SPLITS}, got {splits}")
     tensors = {"x": x, "weight": weight}
+    if accumulate and out is None:
+        raise ValueError("out: accumulate=True adds into out, which must be given")
     if out is not None:
         check_tensor("out", out, ndim=2, dtypes=(x.dtype,))
         if tuple(out.shape) != (rows, n):
@@ -97,7 +102,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=device)
     extension().gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, n, k, x.stride(0),
-                     dtype_code(x.dtype), torch.cuda.current_stream(device).cuda_stream, splits)
+                     dtype_code(x.dtype), torch.cuda.current_stream(device).cuda_stream, splits,
+                     accumulate)
     return out
 
 

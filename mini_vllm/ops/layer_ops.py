@@ -52,7 +52,28 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `x = [gate | up]` along the last dimension."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def scale_rows_ref(x: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * inv_rms` per row, `inv_rms = 1 / sqrt(mean(residual^2) + eps)` in float32.
+
+    What is left of an RMSNorm whose weight was folded into the next matrix
+    product (`models.qwen3`): that product took the raw `residual`, so its
+    output rows still need the norm's scale. The kernels do this on their
+    inputs (`residual=` of `qk_norm_rope` and `silu_and_mul`).
+    """
+    inv_rms = torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x.float() * inv_rms).to(x.dtype)
 # --8<-- [end:references]
+
+
+def _check_residual(residual: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> None:
+    check_tensor("residual", residual, ndim=2, dtypes=(dtype,))
+    if residual.shape[0] != num_tokens:
+        raise ValueError(f"residual has {residual.shape[0]} rows for {num_tokens} tokens")
+    if residual.shape[1] % 8 or residual.data_ptr() % 16:
+        raise ValueError(f"residual: width {residual.shape[1]} must be a multiple of 8 and "
+                         "the tensor 16-byte aligned")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -97,13 +118,18 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
                  cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, *,
                  kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 slot_mapping: torch.Tensor | None = None) -> None:
+                 slot_mapping: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, residual_eps: float = 1e-6) -> None:
     """The CUDA kernel of `qk_norm_rope_ref`, in place on the q and k parts of `qkv`.
 
     With `kv_cache` and `slot_mapping`, the same launch also stores each
     token's k heads (as written back into `qkv`) and v heads in cache slot
     `slot_mapping[t]`, skipping slots < 0: the caches end up bit for bit as
     `ops.reshape_and_cache` would leave them, one kernel launch fewer.
+
+    With `residual` (the decoder's input norm folded into `qkv_proj`), every
+    token's q, k and v are first scaled as `scale_rows_ref(qkv, residual,
+    residual_eps)` scales them, v in place too: the input norm needs no launch.
 
     Args:
         qkv: [T, (Hq + 2 * Hkv) * D] output of the fused projection (q, k, v).
@@ -114,6 +140,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
             contiguous, qkv's dtype; or None.
         slot_mapping: [T] int64, `block * block_size + offset` (-1: padding,
             not stored); given exactly when `kv_cache` is.
+        residual: [T, hidden] contiguous, qkv's dtype, hidden a multiple of 8; or None.
+        residual_eps: the folded norm's epsilon.
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device.
@@ -152,15 +180,25 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
                              f"{num_tokens} tokens")
         tensors.update(k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
         cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
+    scale = (0, 0, residual_eps)  # residual, hidden, eps: none
+    if residual is not None:
+        _check_residual(residual, num_tokens, qkv.dtype)
+        tensors["residual"] = residual
+        scale = (residual.data_ptr(), residual.shape[1], residual_eps)
     device = check_same_device(**tensors)
     extension().qk_norm_rope(
         qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
         positions.data_ptr(), num_tokens, num_q_heads, num_kv_heads, head_dim,
-        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device), *cache_ptrs)
+        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device), *cache_ptrs, *scale)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
+                 residual_eps: float = 1e-6) -> torch.Tensor:
     """The CUDA kernel of `silu_and_mul_ref`: [T, 2d] -> [T, d].
+
+    With `residual` ([T, hidden], the post-attention norm folded into
+    `gate_up_proj`), `x` is first scaled as `scale_rows_ref(x, residual,
+    residual_eps)` scales it, in the same launch.
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device.
@@ -168,11 +206,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_tensor("x", x, ndim=2, dtypes=LAYER_DTYPES)
     if x.shape[1] % 16:
         raise ValueError(f"x: width {x.shape[1]} must be a multiple of 16")
-    device = check_same_device(x=x)
+    tensors = {"x": x}
+    scale = (0, 0, residual_eps)
+    if residual is not None:
+        _check_residual(residual, x.shape[0], x.dtype)
+        tensors["residual"] = residual
+        scale = (residual.data_ptr(), residual.shape[1], residual_eps)
+    device = check_same_device(**tensors)
     d = x.shape[1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=device)
     extension().silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], d,
-                             dtype_code(x.dtype), _stream(device))
+                             dtype_code(x.dtype), _stream(device), *scale)
     return out
 
 
@@ -181,6 +225,7 @@ __all__ = [
     "qk_norm_rope_ref",
     "rms_norm",
     "rms_norm_ref",
+    "scale_rows_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
 ]

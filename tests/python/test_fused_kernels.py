@@ -231,7 +231,10 @@ def test_model_with_kernels_matches_model_without(tiny_model_dir):
     config = ModelConfig.from_pretrained(path)
     models = []
     for use in (False, True):
-        m = Qwen3ForCausalLM(config, device="cuda", dtype=torch.bfloat16, use_kernels=use)
+        # Unfolded on both sides: the kernels round where the torch ops do
+        # (folding the norms changes where a bf16 model rounds; tested below).
+        m = Qwen3ForCausalLM(config, device="cuda", dtype=torch.bfloat16, use_kernels=use,
+                             fold_norms=False)
         load_weights(m, path)
         models.append(m)
     t = 12
@@ -579,3 +582,189 @@ def test_sampler_fused_and_torch_paths_agree_in_distribution():
     freq = torch.bincount(tokens, minlength=vocab).double() / n
     sigma = (p * (1 - p) / n).sqrt()
     assert ((freq - p).abs() <= 5 * sigma + 1e-6).all(), (freq, p)
+
+
+# --- the norms folded into the weights ----------------------------------------------------
+
+def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
+                   dtype: torch.dtype, prompt_len: int = 12, steps: int = 3
+                   ) -> list[torch.Tensor]:
+    """A prompt, then `steps` decodes of one sequence in blocks 1 and 2, every model fed
+    the same tokens (drawn, not sampled: models that round differently must not drift
+    apart): every step's logits, in float32."""
+    block = 16
+
+    def meta(start: int, count: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.arange(block + start, block + start + count, device=device),
+            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([start + count], dtype=torch.int32, device=device),
+            block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=device),
+            max_query_len=count, max_context_len=start + count,
+            query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+
+    shape = (4, block, config.num_key_value_heads, config.head_dim)
+    kv = [(torch.zeros(shape, device=device, dtype=dtype),
+           torch.zeros(shape, device=device, dtype=dtype))
+          for _ in range(config.num_hidden_layers)]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (prompt_len + steps,), generator=gen).to(device)
+    logits, start = [], 0
+    with torch.no_grad():
+        for count in [prompt_len] + [1] * steps:
+            ids = tokens[start:start + count]
+            h = model(ids, torch.arange(start, start + count, device=device), kv,
+                      meta(start, count))
+            logits.append(model.compute_logits(h))
+            start += count
+    return logits
+
+
+def test_folded_norms_compute_the_same_model(tiny_model_dir):
+    """float32 on the CPU (the torch references of the kernels): the layer with its two
+    norms folded into qkv_proj / gate_up_proj and o_proj / down_proj adding into the
+    residual gives the unfolded model's logits, prefill and decodes."""
+    from mini_vllm.models.loader import load_weights
+
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    logits = []
+    for fold in (False, True):
+        model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, fold_norms=fold)
+        load_weights(model, tiny_model_dir)  # folds, with fold_norms
+        assert model.model.norms_folded == fold
+        logits.append(_decode_logits(model, config, "cpu", torch.float32))
+    for got, want in zip(logits[1], logits[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fold_norms_is_guarded(tiny_model_dir):
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    assert not Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32).model.fold_norms
+    model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, fold_norms=True)
+    for p in model.parameters():
+        p.data.normal_()
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        _decode_logits(model, config, "cpu", torch.float32, steps=0)  # weights not folded
+    w = model.model.layers[0].self_attn.qkv_proj.weight.clone()
+    g = model.model.layers[0].input_layernorm.weight
+    model.process_weights_after_loading()
+    torch.testing.assert_close(model.model.layers[0].self_attn.qkv_proj.weight, w * g)
+    with pytest.raises(RuntimeError, match="already folded"):
+        model.process_weights_after_loading()
+
+
+def test_scale_rows_ref_is_the_norm_without_its_weight():
+    r, x = torch.randn(6, 64) * 3, torch.randn(6, 40)
+    inv = 1 / torch.sqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(layer_ops.scale_rows_ref(x, r, 1e-6), x * inv)
+
+
+def test_scaled_wrappers_reject_a_bad_residual():
+    bf16 = {"dtype": torch.bfloat16}
+    x = torch.randn(4, 64, **bf16)
+    with pytest.raises(ValueError, match="residual has 3 rows for 4 tokens"):
+        layer_ops.silu_and_mul(x, torch.randn(3, 64, **bf16))
+    with pytest.raises(ValueError, match="residual: dtype float32"):
+        layer_ops.silu_and_mul(x, torch.randn(4, 64))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        layer_ops.silu_and_mul(x, torch.randn(4, 60, **bf16))
+    t, hq, hkv, d = 3, 4, 2, 64
+    with pytest.raises(ValueError, match="residual has 2 rows for 3 tokens"):
+        layer_ops.qk_norm_rope(torch.randn(t, (hq + 2 * hkv) * d, **bf16),
+                               torch.ones(d, **bf16), torch.ones(d, **bf16),
+                               torch.randn(16, d), torch.zeros(t, dtype=torch.int64),
+                               hq, hkv, d, 1e-6, residual=torch.randn(2, 64, **bf16))
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, hq, hkv, d, hidden", [
+    (1, 16, 8, 128, 1024), (300, 16, 8, 128, 1024), (17, 32, 8, 128, 4096), (9, 8, 2, 64, 136),
+    (5, 40, 8, 128, 5120)])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hidden,
+                                               with_cache):
+    """`residual=`: q, k and v scaled by each token's 1 / rms(residual) first (v in
+    qkv and in the cache), then q/k-norm + RoPE: against scale_rows_ref + the
+    reference; the cache slots of padding tokens and of nobody keep their poison."""
+    dev, block = "cuda", 16
+    gen = torch.Generator(device="cpu").manual_seed(num_tokens)
+    rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(dev)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dev, dtype)
+    residual = (torch.randn(num_tokens, hidden, generator=gen) * 5).to(dev, dtype)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+    kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+
+    scaled = layer_ops.scale_rows_ref(qkv, residual, 1e-6)
+    q, k, v = scaled.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref_q, ref_k = layer_ops.qk_norm_rope_ref(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), qw,
+                                              kw, rope.cos_sin_cache, positions, 1e-6)
+    cache_args, poison, slots = {}, None, None
+    if with_cache:
+        num_blocks = (2 * num_tokens + block - 1) // block + 1
+        slots = torch.randperm(num_blocks * block, generator=gen)[:num_tokens]
+        slots[torch.rand(num_tokens, generator=gen) < 0.125] = -1
+        slots = slots.to(dev)
+        poison = torch.randn(2, num_blocks, block, hkv, d, generator=gen).to(dev, dtype)
+        caches = (poison[0].clone(), poison[1].clone())
+        cache_args = {"kv_cache": caches, "slot_mapping": slots}
+    out = qkv.clone()
+    layer_ops.qk_norm_rope(out, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
+                           residual=residual, residual_eps=1e-6, **cache_args)
+    out_q, out_k, out_v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
+    _close(out_q.reshape(-1, hq, d), ref_q)
+    _close(out_k.reshape(-1, hkv, d), ref_k)
+    _close(out_v, v)
+    if with_cache:
+        k_cache, v_cache = caches
+        real = slots >= 0
+        assert torch.equal(k_cache.view(-1, hkv, d)[slots[real]], out_k.reshape(-1, hkv, d)[real])
+        assert torch.equal(v_cache.view(-1, hkv, d)[slots[real]], out_v.reshape(-1, hkv, d)[real])
+        untouched = torch.ones(poison[0].numel() // (hkv * d), dtype=torch.bool, device=dev)
+        untouched[slots[real]] = False
+        for cache, before in zip(caches, poison):
+            assert torch.equal(cache.view(-1, hkv, d)[untouched],
+                               before.view(-1, hkv, d)[untouched])
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens, d, hidden", [(1, 3072, 1024), (255, 3072, 1024),
+                                                   (8, 1024 + 8, 72), (3, 12288, 4096)])
+def test_silu_and_mul_scaled_matches_reference(dtype, num_tokens, d, hidden):
+    x = torch.randn(num_tokens, 2 * d, device="cuda", dtype=dtype) * 4
+    residual = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype) * 3
+    want = layer_ops.silu_and_mul_ref(layer_ops.scale_rows_ref(x, residual, 1e-6))
+    _close(layer_ops.silu_and_mul(x, residual, 1e-6), want)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [12, 20])  # gemv rows (<= 16), cuBLAS rows
+def test_folding_the_norms_costs_no_accuracy(tiny_model_dir, prompt_len):
+    """bf16 on the GPU with the kernels, folded and not, against the same model in float32:
+    folding moves where a bf16 model rounds (about 1 % of the logits here, as much as bf16
+    itself does), so the test is that the folded model is as close to float32 as the
+    unfolded one, prefill (gemv or cuBLAS rows) and decodes (gemv)."""
+    from mini_vllm.checkpoint import make_model
+    from mini_vllm.models.loader import load_weights
+
+    path = make_model(tiny_model_dir.parent / "folded-64", preset="tiny",
+                      overrides={"head_dim": 64})
+    config = ModelConfig.from_pretrained(path)
+    ref = Qwen3ForCausalLM(config, device="cuda", dtype=torch.float32)
+    load_weights(ref, path)
+    want = torch.cat(_decode_logits(ref, config, "cuda", torch.float32, prompt_len)).double()
+    errors = {}
+    for fold in (False, True):
+        model = Qwen3ForCausalLM(config, device="cuda", dtype=torch.bfloat16, fold_norms=fold)
+        assert model.model.use_kernels
+        load_weights(model, path)
+        got = torch.cat(_decode_logits(model, config, "cuda", torch.bfloat16, prompt_len))
+        assert not got.isnan().any()
+        errors[fold] = ((got.double() - want).norm() / want.norm()).item()
+    assert errors[False] < 0.05, errors
+    assert errors[True] <= 1.5 * errors[False], errors

@@ -76,6 +76,8 @@ def test_wrapper_rejects_bad_arguments():
         gemv(x, w, out=torch.empty(2, 31, **bf16))
     with pytest.raises(ValueError, match="splits"):
         gemv(x, w, splits=3)
+    with pytest.raises(ValueError, match="accumulate=True adds into out"):
+        gemv(x, w, accumulate=True)
 
 
 def test_gemv_usable_is_false_on_cpu():
@@ -165,6 +167,27 @@ def test_gemv_every_split(k, n, splits):
 @needs_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", [(2048, 1024), (3072, 1024), (1024, 1000)])
+def test_gemv_accumulate_adds_into_out(k, n, dtype):
+    """`accumulate=True`: out += x @ W.T, one rounding, as `out.addmm_` does (how
+    o_proj and down_proj add into the residual stream with the norms folded)."""
+    dev = "cuda"
+    w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dtype)
+    for m in ROWS:
+        x = torch.randn(m, k, device=dev).to(dtype)
+        out = (torch.randn(m, n, device=dev) * 4).to(dtype)
+        ref = out.double() + x.double() @ w.double().T
+        want = out.clone().addmm_(x, w.T)  # cuBLAS, beta = 1
+        got = gemv(x, w, out=out, accumulate=True)
+        assert got is out
+        err, err_cublas = _rel_err(got, ref), _rel_err(want, ref)
+        slack = 2 * _rounding(dtype) / got.numel() ** 0.5
+        assert err <= 1.25 * err_cublas + slack, f"M={m}: {err:.3e} vs cuBLAS {err_cublas:.3e}"
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_reads_strided_rows(dtype):
     """x a view of wider rows (row stride > K), as a slice of a fused output is."""
     _check_shape(2048, 1000, dtype, ROWS, x_pad=64)
@@ -237,9 +260,9 @@ def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypat
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     calls: list[tuple[int, int]] = []
 
-    def spy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def spy(x: torch.Tensor, weight: torch.Tensor, **kwargs: object) -> torch.Tensor:
         calls.append((x.shape[0], weight.shape[0]))
-        return gemv(x, weight)
+        return gemv(x, weight, **kwargs)  # o_proj / down_proj: out=, accumulate=
 
     monkeypatch.setattr(qwen3, "gemv", spy)
     block, prompt_len, steps = 16, 8, 6

@@ -247,12 +247,20 @@ def test_a_step_has_no_host_sync(tiny_model_dir: Path, use_graph: bool) -> None:
 
 
 def _hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face's names (fused projections split), in float32."""
+    """Our parameters under Hugging Face's names (fused projections split), in float32.
+
+    With the norms folded, qkv_proj and gate_up_proj hold `W * diag(norm.weight)`:
+    divided by the norm's weight again (in float32) they give HF the function our
+    model computes."""
     packed = Qwen3ForCausalLM.packed_modules_mapping
+    folded = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}
     state = {}
     for name, param in model.named_parameters():
         module, _, pname = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
+        if model.model.norms_folded and leaf in folded:
+            norm = model.get_submodule(f"{parent.rpartition('.')[0]}.{folded[leaf]}")
+            param = param.float() / norm.weight.float()
         if leaf in packed:
             parts = param.split(model.get_submodule(module).output_sizes)
             for sub, part in zip(packed[leaf], parts):
@@ -278,6 +286,7 @@ def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
         hf = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
             attn_implementation="sdpa").eval()
+    assert runner.model.model.norms_folded  # the fast path folds the norms into the weights
     result = hf.load_state_dict(_hf_state_dict(runner.model), strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
 
