@@ -28,6 +28,18 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert equal > 0.99, f"only {equal:.3%} of the elements are bit-equal to the reference"
 
 
+def _one_sequence_meta(start: int, count: int, device: str) -> AttentionMetadata:
+    """`count` new tokens of one sequence from position `start`, in blocks 1 and 2 of
+    16 tokens (slots 16 .. 47)."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(16 + start, 16 + start + count, device=device),
+        query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([start + count], dtype=torch.int32, device=device),
+        block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=device),
+        max_query_len=count, max_context_len=start + count,
+        query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+
+
 # --- on any machine -----------------------------------------------------------------------
 
 def test_reference_add_norm_is_add_then_norm():
@@ -385,14 +397,7 @@ def test_model_cache_write_fusion_changes_no_bit(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(backend, "write_kv_cache", spy_write)
 
     def meta(start: int, count: int) -> AttentionMetadata:
-        # One sequence in blocks 1 and 2: slots 16 .. 47.
-        return AttentionMetadata(
-            slot_mapping=torch.arange(block + start, block + start + count, device=dev),
-            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([start + count], dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=dev),
-            max_query_len=count, max_context_len=start + count,
-            query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+        return _one_sequence_meta(start, count, dev)
 
     def generate() -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         kv = [(torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
@@ -593,16 +598,6 @@ def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
     the same tokens (drawn, not sampled: models that round differently must not drift
     apart): every step's logits, in float32."""
     block = 16
-
-    def meta(start: int, count: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=torch.arange(block + start, block + start + count, device=device),
-            query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([start + count], dtype=torch.int32, device=device),
-            block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=device),
-            max_query_len=count, max_context_len=start + count,
-            query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
-
     shape = (4, block, config.num_key_value_heads, config.head_dim)
     kv = [(torch.zeros(shape, device=device, dtype=dtype),
            torch.zeros(shape, device=device, dtype=dtype))
@@ -614,7 +609,7 @@ def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
         for count in [prompt_len] + [1] * steps:
             ids = tokens[start:start + count]
             h = model(ids, torch.arange(start, start + count, device=device), kv,
-                      meta(start, count))
+                      _one_sequence_meta(start, count, device))
             logits.append(model.compute_logits(h))
             start += count
     return logits
