@@ -120,26 +120,25 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Block-wide reductions; every thread gets the result. `scratch` holds 32 floats.
-template <int NT>
+// Block-wide reductions over all the threads of the block (a multiple of 32, at
+// most 1024); every thread gets the result. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_max(float x, float* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   x = warp_max(x);
   __syncthreads();  // scratch may still be read by a previous reduction
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
-  x = lane < NT / 32 ? scratch[lane] : -INFINITY;
+  x = lane < blockDim.x / 32 ? scratch[lane] : -INFINITY;
   return warp_max(x);
 }
 
-template <int NT>
 __device__ __forceinline__ float block_sum(float x, float* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   x = warp_sum(x);
   __syncthreads();
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
-  x = lane < NT / 32 ? scratch[lane] : 0.0f;
+  x = lane < blockDim.x / 32 ? scratch[lane] : 0.0f;
   return warp_sum(x);
 }
 

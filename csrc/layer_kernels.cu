@@ -15,7 +15,7 @@
 // With the norms folded into the weights (mini_vllm/models/qwen3.py), the
 // matrix products before q/k-norm + RoPE and before silu_and_mul take the raw
 // residual stream r; these two kernels then multiply their inputs by the
-// token's 1 / rms(r) first (rows_inv_rms below), which is all that is left of
+// token's 1 / rms(r) first (row_inv_rms below), which is all that is left of
 // the decoder layer's two RMSNorms.
 //
 // They round where the torch reference rounds (after every bf16/fp16
@@ -49,8 +49,7 @@ __device__ __forceinline__ void pack8(const float (&f)[8], uint4& v) {
 
 // --8<-- [start:row_inv_rms]
 // 1 / sqrt(mean(r^2) + eps) of one row of `hidden` elements (a multiple of 8),
-// summed in float32 by all the threads of the block (a multiple of 32, at
-// most 1024); every thread gets it.
+// summed in float32 by all the threads of the block; every thread gets it.
 template <typename T>
 __device__ __forceinline__ float row_inv_rms(const T* __restrict__ r, int hidden, float eps,
                                              float* scratch) {
@@ -61,12 +60,7 @@ __device__ __forceinline__ float row_inv_rms(const T* __restrict__ r, int hidden
 #pragma unroll
     for (int j = 0; j < 8; ++j) sumsq += v[j] * v[j];
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  sumsq = warp_sum(sumsq);
-  if (lane == 0) scratch[warp] = sumsq;
-  __syncthreads();
-  sumsq = warp_sum(lane < blockDim.x / 32 ? scratch[lane] : 0.f);
-  return rsqrtf(sumsq / hidden + eps);
+  return rsqrtf(block_sum(sumsq, scratch) / hidden + eps);
 }
 // --8<-- [end:row_inv_rms]
 
@@ -108,7 +102,7 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
       for (int j = 0; j < 8; ++j) sumsq += v[i][j] * v[i][j];
     }
   }
-  const float inv_rms = rsqrtf(block_sum<NT>(sumsq, scratch) / hidden + eps);
+  const float inv_rms = rsqrtf(block_sum(sumsq, scratch) / hidden + eps);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int c = threadIdx.x + i * NT;
@@ -128,9 +122,9 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // --8<-- [start:qk_norm_rope]
 // One warp per (token, head) of q and k, in place in the fused qkv output; a
 // block holds the heads of one token, or a group of them past 32 heads
-// (blockIdx.x the token, blockIdx.y the group). Lane l owns the rotary pairs (i, i + D/2) for i = l,
-// l + 32, ...: both halves of a pair meet in one thread, so the rotation
-// needs no shuffle.
+// (blockIdx.x the token, blockIdx.y the group). Lane l owns the rotary pairs
+// (i, i + D/2) for i = l, l + 32, ...: both halves of a pair meet in one
+// thread, so the rotation needs no shuffle.
 //   torch reference, per head:  y = round(w * round(x * inv_rms))
 //                               c, s = round(cos), round(sin)
 //   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))

@@ -49,14 +49,14 @@ __global__ void __launch_bounds__(kV1Threads) paged_attention_v1_kernel(DecodePa
     local_max = fmaxf(local_max, s);
   }
   // Pass 2: softmax.
-  const float max_s = block_max<kV1Threads>(local_max, scratch);
+  const float max_s = block_max(local_max, scratch);
   float local_sum = 0.0f;
   for (int t = threadIdx.x; t < ctx; t += kV1Threads) {
     const float e = __expf(scores[t] - max_s);
     scores[t] = e;
     local_sum += e;
   }
-  const float sum = block_sum<kV1Threads>(local_sum, scratch);
+  const float sum = block_sum(local_sum, scratch);
   // Pass 3: one thread per output element walks every token's V.
   for (int d = threadIdx.x; d < D; d += kV1Threads) {
     float o = 0.0f;

@@ -67,13 +67,20 @@ def scale_rows_ref(x: torch.Tensor, residual: torch.Tensor, eps: float) -> torch
 # --8<-- [end:references]
 
 
-def _check_residual(residual: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> None:
+def _residual_args(residual: torch.Tensor | None, eps: float, num_tokens: int,
+                   dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> tuple[int, int, float]:
+    """The kernels' (residual pointer, hidden, eps) arguments, `residual` checked and
+    added to `tensors` (for the device check); (0, 0, eps) without one."""
+    if residual is None:
+        return 0, 0, eps
     check_tensor("residual", residual, ndim=2, dtypes=(dtype,))
     if residual.shape[0] != num_tokens:
         raise ValueError(f"residual has {residual.shape[0]} rows for {num_tokens} tokens")
     if residual.shape[1] % 8 or residual.data_ptr() % 16:
         raise ValueError(f"residual: width {residual.shape[1]} must be a multiple of 8 and "
                          "the tensor 16-byte aligned")
+    tensors["residual"] = residual
+    return residual.data_ptr(), residual.shape[1], eps
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -180,11 +187,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
                              f"{num_tokens} tokens")
         tensors.update(k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
         cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
-    scale = (0, 0, residual_eps)  # residual, hidden, eps: none
-    if residual is not None:
-        _check_residual(residual, num_tokens, qkv.dtype)
-        tensors["residual"] = residual
-        scale = (residual.data_ptr(), residual.shape[1], residual_eps)
+    scale = _residual_args(residual, residual_eps, num_tokens, qkv.dtype, tensors)
     device = check_same_device(**tensors)
     extension().qk_norm_rope(
         qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
@@ -207,11 +210,7 @@ def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
     if x.shape[1] % 16:
         raise ValueError(f"x: width {x.shape[1]} must be a multiple of 16")
     tensors = {"x": x}
-    scale = (0, 0, residual_eps)
-    if residual is not None:
-        _check_residual(residual, x.shape[0], x.dtype)
-        tensors["residual"] = residual
-        scale = (residual.data_ptr(), residual.shape[1], residual_eps)
+    scale = _residual_args(residual, residual_eps, x.shape[0], x.dtype, tensors)
     device = check_same_device(**tensors)
     d = x.shape[1] // 2
     out = torch.empty((x.shape[0], d), dtype=x.dtype, device=device)
