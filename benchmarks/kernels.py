@@ -69,6 +69,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_vllm import ops
+from mini_vllm.ops.gemv import gemm_wgmma
 from mini_vllm.ops.prefill import _gather_paged
 from mini_vllm.ops.reference import paged_decode_attention_ref
 
@@ -374,18 +375,26 @@ GEMV_SHAPES = {
                  ("lm_head", 4096, 151936)],
 }
 GEMV_ROWS = (1, 2, 4, 8, 16)
+# The wgmma GEMM: decode batches of 17 to 256 sequences, the layers whose
+# tiles of 128 outputs fill the GPU at most once (the lm_head stays cuBLAS's).
+GEMM_ROWS = (24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
+               "Qwen3-8B": GEMV_SHAPES["Qwen3-8B"][:2] + GEMV_SHAPES["Qwen3-8B"][3:4]}
 
 
 # --8<-- [start:bench_gemv]
 def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEMV_ROWS,
                shapes: dict[str, list[tuple[str, int, int]]] | None = None,
-               check: bool = True) -> list[dict]:
-    """Our skinny GEMM (`ops.gemv`) against `F.linear` (cuBLAS) at every shape and row count.
+               check: bool = True, product: Callable[..., torch.Tensor] = ops.gemv,
+               variants: dict[str, dict] | None = None) -> list[dict]:
+    """Our skinny GEMM (`product`: `ops.gemv`, or `gemm_wgmma` for the gemm table)
+    against `F.linear` (cuBLAS) at every shape and row count.
 
     Each call reads the weight `[N, K]` once, x `[rows, K]` and writes y
     `[rows, N]`: those bytes over the time, against the copy bandwidth. The
     weights rotate through enough copies to defeat the L2, as the decode
-    table's K/V do; the calls are replayed from a CUDA graph.
+    table's K/V do; the calls are replayed from a CUDA graph. `variants`
+    adds paths `ours_<name>` that pass extra keyword arguments (e.g. splits).
     """
     result = []
     for model, layers in (shapes or GEMV_SHAPES).items():
@@ -402,16 +411,19 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
                        "bytes": moved, "rotations": rotations, "paths": {}}
                 ref = (xs[0].double() @ weights[0].double().T) if check else None
                 paths: dict[str, list[Callable[[], object]]] = {
-                    "ours": [lambda x=x, w=w, o=o: ops.gemv(x, w, out=o)
+                    "ours": [lambda x=x, w=w, o=o: product(x, w, out=o)
                              for x, w, o in zip(xs, weights, outs)],
                     "cublas": [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
                 }
+                for name, kw in (variants or {}).items():
+                    paths[f"ours_{name}"] = [lambda x=x, w=w, o=o, kw=kw: product(x, w, out=o, **kw)
+                                             for x, w, o in zip(xs, weights, outs)]
                 for path, calls in paths.items():
                     try:
                         err = None
                         if ref is not None:
                             y = calls[0]()
-                            y = outs[0] if path == "ours" else y
+                            y = outs[0] if path.startswith("ours") else y
                             err = ((y.double() - ref).norm() / ref.norm()).item()
                         sec = time_calls(calls, use_graph=True)
                     except Exception as e:  # noqa: BLE001 - record the failure, keep going
@@ -421,11 +433,10 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
                     row["paths"][path] = {"us": sec * 1e6, "gbps": bw / 1e9,
                                           "frac_copy": bw / copy_bw, "rel_err": err}
                 result.append(row)
-                ours, cublas = row["paths"]["ours"], row["paths"]["cublas"]
                 print(f"  {model:10s} {layer:12s} {k:>5} x {n:>6}  rows={m}  "
                       + "  ".join(f"{p}={r['us']:8.1f}us {100 * r['frac_copy']:5.1f}%"
                                   if "us" in r else f"{p}=ERR"
-                                  for p, r in (("ours", ours), ("cublas", cublas))),
+                                  for p, r in row["paths"].items()),
                       flush=True)
             del weights
             torch.cuda.empty_cache()
@@ -803,6 +814,12 @@ def run(args: argparse.Namespace) -> dict:
     if "gemv" in tables:
         print(f"gemv: y = x @ W.T at {GEMV_ROWS} rows, ours vs cuBLAS (F.linear), bf16")
         result["gemv"] = bench_gemv(copy_bw, device)
+        save()
+    if "gemm" in tables:
+        print(f"gemm: y = x @ W.T at {GEMM_ROWS} rows, gemm_wgmma vs cuBLAS (F.linear), bf16")
+        result["gemm"] = bench_gemv(copy_bw, device, rows=GEMM_ROWS, shapes=GEMM_SHAPES,
+                                    product=gemm_wgmma,
+                                    variants={f"s{s}": {"splits": s} for s in (4, 8, 16)})
         save()
     return result
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import gc
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,8 @@ from benchmarks.common import (
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs
 from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.models import qwen3
+from mini_vllm.ops._extension import extension
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
@@ -180,6 +184,16 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
                     lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
             finally:
                 ops.set_programmatic_launch(True)
+                runner.graph_runner.capture()
+        if ops.is_available() and extension().wgmma_gemm_supported():
+            # The same graph with every product of 17 to 256 rows cuBLAS's:
+            # what gemm_wgmma buys at this batch (nothing above 64 rows).
+            try:
+                with without_wgmma_gemm():
+                    runner.graph_runner.capture()
+                    result["graph_replay_gpu_ms_without_wgmma_gemm"] = _event_ms(
+                        lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
+            finally:
                 runner.graph_runner.capture()
     result["eager_forward_ms"] = _event_ms(
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
@@ -320,6 +334,17 @@ def profile_engine(model_dir: Path, load_format: str, ns: argparse.Namespace) ->
             **{f"{k}_ms": _ms(v) for k, v in parts.items()}}
 
 
+@contextlib.contextmanager
+def without_wgmma_gemm() -> Iterator[None]:
+    """Let the model send no product to `gemm_wgmma` (cuBLAS takes them) inside the block."""
+    saved = qwen3.gemm_wgmma_pays
+    qwen3.gemm_wgmma_pays = lambda x, weight: False
+    try:
+        yield
+    finally:
+        qwen3.gemm_wgmma_pays = saved
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a checkpoint directory (default: --preset)")
@@ -359,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
     print(f"RMSNorm variants (us per call): {runner['rms_norm_us']}")
     cols = ["batch", "context", "floor_ms", "graph_replay_gpu_ms",
-            "graph_replay_gpu_ms_without_pdl", "eager_forward_ms",
+            "graph_replay_gpu_ms_without_pdl", "graph_replay_gpu_ms_without_wgmma_gemm",
+            "eager_forward_ms",
             "execute_host_ms", "sampling_metadata_ms", "sampler_host_ms", "sampler_gpu_ms",
             "wait_gpu_ms", "step_wall_ms"]
     print(format_table([runner], cols))

@@ -42,4 +42,15 @@ struct GemvParams {
 
 void gemv(const GemvParams& p, cudaStream_t stream);
 
+// The same product for up to 256 rows on Hopper (csrc/gemm_wgmma.cu): the
+// decode steps of 17 to 256 sequences. Takes GemvParams with 1 <= m <=
+// kGemmMaxRows, n a multiple of 128, k a multiple of 64, x_stride a multiple
+// of 8; `splits` is the number of CTAs of a cluster that share a tile of 128
+// outputs, each summing a slice of k (1 to 16; 0: the kernel's choice, at
+// most kGemmDefaultMaxSplits).
+constexpr int kGemmMaxRows = 256;
+constexpr int kGemmDefaultMaxSplits = 8;
+bool wgmma_gemm_supported();  // an sm_90 GPU, and the module built for sm_90a
+void gemm_wgmma(const GemvParams& p, cudaStream_t stream);
+
 }  // namespace mini_vllm

@@ -89,4 +89,24 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
 }
 // --8<-- [end:tma_ptx]
 
+// Arrive once on a barrier (no bytes): a consumer saying it is done with a stage.
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+
+// Copy the box at coordinates (c0, c1) of a 2-D `map` to shared memory at
+// `dst`, counting its bytes on `bar`. One thread issues it.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+#endif
+}
+
 }  // namespace mini_vllm

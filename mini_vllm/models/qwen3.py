@@ -25,7 +25,7 @@ from mini_vllm import ops
 from mini_vllm.attention import Attention, AttentionBackend, AttentionMetadata, KVCache
 from mini_vllm.config import ModelConfig
 from mini_vllm.ops import layer_ops
-from mini_vllm.ops.gemv import gemv, gemv_usable
+from mini_vllm.ops.gemv import gemm_wgmma, gemm_wgmma_pays, gemv, gemv_usable
 
 
 # --8<-- [start:use_kernels]
@@ -54,7 +54,9 @@ class Linear(nn.Module):
         dtype: the weight's dtype.
         use_kernels: multiply 1 to 16 rows (a decode step of up to 16
             sequences) with the skinny-GEMM kernel of `mini_vllm.ops.gemv`
-            when it can run them; cuBLAS (`F.linear`) does everything else.
+            when it can run them, and the shapes where `gemm_wgmma` beats
+            cuBLAS on Hopper (`gemm_wgmma_pays`: up to 64 rows, up to 2,048
+            outputs); cuBLAS (`F.linear`) does everything else.
     """
 
     def __init__(
@@ -77,8 +79,11 @@ class Linear(nn.Module):
         # Asked on every call (the weight of a tied lm_head is swapped in after
         # construction, and the row count changes from step to step), so the
         # test is attribute reads only.
-        if self.use_kernels and gemv_usable(x, self.weight):
-            return gemv(x, self.weight)
+        if self.use_kernels:
+            if gemv_usable(x, self.weight):
+                return gemv(x, self.weight)
+            if gemm_wgmma_pays(x, self.weight):
+                return gemm_wgmma(x, self.weight)
         return F.linear(x, self.weight)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -86,6 +91,8 @@ class Linear(nn.Module):
         added into the residual stream by the matrix product itself."""
         if self.use_kernels and gemv_usable(x, self.weight):
             gemv(x, self.weight, out=out, accumulate=True)
+        elif self.use_kernels and gemm_wgmma_pays(x, self.weight):
+            gemm_wgmma(x, self.weight, out=out, accumulate=True)
         else:
             out.addmm_(x, self.weight.t())
 # --8<-- [end:linear]

@@ -10,15 +10,25 @@ to `F.linear` (the reference) for everything else: more rows, float32, the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from mini_vllm.ops._checks import check_same_device, check_tensor
-from mini_vllm.ops._extension import _import_extension, dtype_code, extension
+from mini_vllm.ops._extension import (
+    BUILD_COMMAND,
+    _import_extension,
+    dtype_code,
+    extension,
+    num_sms,
+)
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv_params.h
 GEMV_SPLITS = (0, 1, 2, 4, 8, 16)  # 0: the kernel picks
+GEMM_MAX_ROWS = 256  # kGemmMaxRows in csrc/gemv_params.h
+GEMM_MAX_SPLITS = 16  # the largest thread-block cluster of sm_90
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -73,23 +83,131 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     Raises:
         ValueError: on a wrong dtype, shape, layout or device, naming the argument.
     """
+    if splits not in GEMV_SPLITS:
+        raise ValueError(f"splits must be one of {GEMV_SPLITS}, got {splits}")
+    out, device = _check_product(x, weight, out, accumulate, max_rows=GEMV_MAX_ROWS,
+                                 k_multiple=8, n_multiple=1, kernel="gemv")
+    rows, k = x.shape
+    n = weight.shape[0]
+    extension().gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, n, k, x.stride(0),
+                     dtype_code(x.dtype), torch.cuda.current_stream(device).cuda_stream, splits,
+                     accumulate)
+    return out
+
+
+# --8<-- [start:gemm_wgmma_usable]
+@functools.lru_cache(maxsize=8)
+def _wgmma_tiles_limit(device: torch.device) -> int:
+    """Tiles of 128 outputs `gemm_wgmma` takes on `device`: one wave of its CTAs
+    (0 when it cannot run there: no sm_90 GPU, or a module built without sm_90a)."""
+    module = _import_extension()[0]
+    if module is None:
+        return 0
+    with torch.cuda.device(device):
+        return num_sms(device) if module.wgmma_gemm_supported() else 0
+
+
+def gemm_wgmma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemm_wgmma(x, weight)` can run and fills the GPU in one wave.
+
+    True on an H100/H200 (with the module built for sm_90a) for `x [rows, K]`
+    with 1 <= rows <= GEMM_MAX_ROWS and `weight [N, K]` with N a multiple of
+    128, at most 128 x the SM count (one CTA per tile of 128 outputs: the
+    lm_head's 151,936 rows are a GEMM of many waves, cuBLAS's ground), and
+    K a multiple of 64; the layout rules are `gemv_usable`'s. Attribute reads
+    and one cached lookup: cheap enough to ask on every forward.
+    """
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMM_MAX_ROWS
+            and x.dtype in GEMV_DTYPES and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and x.shape[1] % 64 == 0
+            and weight.shape[0] % 128 == 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and weight.device == x.device
+            and weight.shape[0] <= 128 * _wgmma_tiles_limit(x.device))
+# --8<-- [end:gemm_wgmma_usable]
+
+
+# --8<-- [start:gemm_wgmma_pays]
+# Where gemm_wgmma beats cuBLAS on an H200 (benchmarks/kernels.py --tables gemm):
+# narrow outputs, whose few tiles of 128 leave cuBLAS most SMs idle while
+# gemm_wgmma splits K over clusters of 8, at up to one block of 64 rows.
+GEMM_WGMMA_PAYS_MAX_ROWS = 64
+GEMM_WGMMA_PAYS_MAX_N = 2048
+
+
+def gemm_wgmma_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the model should multiply with `gemm_wgmma` rather than cuBLAS:
+    it can run (`gemm_wgmma_usable`), x has at most 64 rows and the weight at
+    most 2,048 (Qwen3-0.6B's o_proj and down_proj)."""
+    return (x.dim() == 2 and x.shape[0] <= GEMM_WGMMA_PAYS_MAX_ROWS
+            and weight.dim() == 2 and weight.shape[0] <= GEMM_WGMMA_PAYS_MAX_N
+            and gemm_wgmma_usable(x, weight))
+# --8<-- [end:gemm_wgmma_pays]
+
+
+def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+               splits: int = 0, accumulate: bool = False) -> torch.Tensor:
+    """`x @ weight.T` for 1 to 256 rows on Hopper (TMA + wgmma): decode steps of 17 to 256.
+
+    A CTA computes 128 outputs for every row, so the weight is read once;
+    the CTAs of a cluster split K and add their partial sums in a fixed
+    order, and each output is rounded once (`csrc/gemm_wgmma.cu`). Needs an
+    sm_90 GPU and a module built for sm_90a (`gemm_wgmma_usable`). Like
+    `gemv`, the kernel may read `weight` before the kernel launched just
+    before it has finished, so that kernel must not write `weight`.
+
+    Args:
+        x: [rows, K], 1 <= rows <= GEMM_MAX_ROWS (256), float16 or bfloat16,
+            rows dense and 16-byte aligned; K a multiple of 64.
+        weight: [N, K] contiguous, same dtype; N a multiple of 128.
+        out: [rows, N] contiguous tensor to write into (a new one when None).
+        splits: CTAs of a cluster that share a tile of 128 outputs, each
+            summing a slice of K (1 to 16); 0 lets the kernel choose (at most 8).
+        accumulate: `out += x @ weight.T`, the sum rounded once; `out` is then required.
+
+    Returns:
+        `out`, or a new [rows, N] tensor.
+
+    Raises:
+        ValueError: on a wrong dtype, shape, layout or device, naming the argument.
+        RuntimeError: where the kernel cannot run (no sm_90 GPU, or no sm_90a build).
+    """
+    if not 0 <= splits <= GEMM_MAX_SPLITS:
+        raise ValueError(f"splits must be 0 to {GEMM_MAX_SPLITS}, got {splits}")
+    out, device = _check_product(x, weight, out, accumulate, max_rows=GEMM_MAX_ROWS,
+                                 k_multiple=64, n_multiple=128, kernel="gemm_wgmma")
+    if _wgmma_tiles_limit(device) == 0:
+        raise RuntimeError("gemm_wgmma needs an sm_90 GPU (H100/H200) and the kernels "
+                           f"built for sm_90a (`{BUILD_COMMAND}` does so for CUDA_ARCHS 90)")
+    rows, k = x.shape
+    extension().gemm_wgmma(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows,
+                           weight.shape[0], k, x.stride(0), dtype_code(x.dtype),
+                           torch.cuda.current_stream(device).cuda_stream, splits, accumulate)
+    return out
+
+
+def _check_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
+                   accumulate: bool, *, max_rows: int, k_multiple: int, n_multiple: int,
+                   kernel: str) -> tuple[torch.Tensor, torch.device]:
+    """The checks `gemv` and `gemm_wgmma` share; return (out or a new tensor, device)."""
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES, contiguous=False)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
     rows, k = x.shape
     n = weight.shape[0]
-    if not 1 <= rows <= GEMV_MAX_ROWS:
-        raise ValueError(f"x: {rows} rows; the kernel takes 1 to {GEMV_MAX_ROWS} "
-                         "(use gemv_ref / F.linear for more)")
-    if k == 0 or k % 8:
-        raise ValueError(f"x: K = {k} must be a positive multiple of 8 (16-byte loads)")
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"x: {rows} rows; {kernel} takes 1 to {max_rows} "
+                         "(use F.linear for more)")
+    if k == 0 or k % k_multiple:
+        raise ValueError(f"x: K = {k} must be a positive multiple of {k_multiple}")
+    if n == 0 or n % n_multiple:
+        raise ValueError(f"weight: N = {n} must be a positive multiple of {n_multiple}")
     if weight.shape[1] != k:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not take x's K = {k}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         raise ValueError(f"x: rows must be dense and 16-byte aligned (strides {x.stride()})")
     if weight.data_ptr() % 16:
         raise ValueError("weight: must be 16-byte aligned")
-    if splits not in GEMV_SPLITS:
-        raise ValueError(f"splits must be one of {GEMV_SPLITS}, got {splits}")
     tensors = {"x": x, "weight": weight}
     if accumulate and out is None:
         raise ValueError("out: accumulate=True adds into out, which must be given")
@@ -101,10 +219,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     device = check_same_device(**tensors)
     if out is None:
         out = torch.empty((rows, n), dtype=x.dtype, device=device)
-    extension().gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, n, k, x.stride(0),
-                     dtype_code(x.dtype), torch.cuda.current_stream(device).cuda_stream, splits,
-                     accumulate)
-    return out
+    return out, device
 
 
-__all__ = ["GEMV_DTYPES", "GEMV_MAX_ROWS", "gemv", "gemv_ref", "gemv_usable"]
+__all__ = ["GEMM_MAX_ROWS", "GEMV_DTYPES", "GEMV_MAX_ROWS", "gemm_wgmma", "gemm_wgmma_pays",
+           "gemm_wgmma_usable", "gemv", "gemv_ref", "gemv_usable"]

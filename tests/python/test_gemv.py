@@ -10,7 +10,17 @@ from mini_vllm import ops
 from mini_vllm.config import ModelConfig
 from mini_vllm.models import qwen3
 from mini_vllm.models.qwen3 import Linear, Qwen3ForCausalLM
-from mini_vllm.ops.gemv import GEMV_MAX_ROWS, gemv, gemv_ref, gemv_usable
+from mini_vllm.ops._extension import extension
+from mini_vllm.ops.gemv import (
+    GEMM_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    gemm_wgmma,
+    gemm_wgmma_pays,
+    gemm_wgmma_usable,
+    gemv,
+    gemv_ref,
+    gemv_usable,
+)
 
 pytestmark = [pytest.mark.phase9]
 
@@ -106,7 +116,7 @@ def test_model_passes_use_kernels_to_every_linear(tiny_model_dir):
 # --- on a GPU with the kernels built -------------------------------------------------------
 
 def _check_shape(k: int, n: int, dtype: torch.dtype, rows: list[int],
-                 x_pad: int = 0, splits: int = 0) -> None:
+                 x_pad: int = 0, splits: int = 0, product=gemv) -> None:
     """Every row count of `rows` at one (K, N): fresh random x, the output
     poisoned with NaN first, against float64 and against cuBLAS."""
     dev = "cuda"
@@ -117,7 +127,7 @@ def _check_shape(k: int, n: int, dtype: torch.dtype, rows: list[int],
         x = torch.randn(m, k + x_pad, device=dev).to(dtype)[:, x_pad // 2: x_pad // 2 + k]
         ref = x.double() @ w64.T
         out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
-        y = gemv(x, w, out=out, splits=splits)
+        y = product(x, w, out=out, splits=splits)
         assert y is out
         assert not y.isnan().any(), f"M={m}: outputs left unwritten"
         err = _rel_err(y, ref)
@@ -164,6 +174,22 @@ def test_gemv_every_split(k, n, splits):
     _check_shape(k, n, torch.bfloat16, [1, 3, 8, 9, 16], splits=splits)
 
 
+def _check_accumulate(k: int, n: int, dtype: torch.dtype, rows: list[int],
+                      product=gemv, **kwargs: object) -> None:
+    dev = "cuda"
+    w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dtype)
+    for m in rows:
+        x = torch.randn(m, k, device=dev).to(dtype)
+        out = (torch.randn(m, n, device=dev) * 4).to(dtype)
+        ref = out.double() + x.double() @ w.double().T
+        want = out.clone().addmm_(x, w.T)  # cuBLAS, beta = 1
+        got = product(x, w, out=out, accumulate=True, **kwargs)
+        assert got is out
+        err, err_cublas = _rel_err(got, ref), _rel_err(want, ref)
+        slack = 2 * _rounding(dtype) / got.numel() ** 0.5
+        assert err <= 1.25 * err_cublas + slack, f"M={m}: {err:.3e} vs cuBLAS {err_cublas:.3e}"
+
+
 @needs_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -171,18 +197,7 @@ def test_gemv_every_split(k, n, splits):
 def test_gemv_accumulate_adds_into_out(k, n, dtype):
     """`accumulate=True`: out += x @ W.T, one rounding, as `out.addmm_` does (how
     o_proj and down_proj add into the residual stream with the norms folded)."""
-    dev = "cuda"
-    w = (torch.randn(n, k, device=dev) * k ** -0.5).to(dtype)
-    for m in ROWS:
-        x = torch.randn(m, k, device=dev).to(dtype)
-        out = (torch.randn(m, n, device=dev) * 4).to(dtype)
-        ref = out.double() + x.double() @ w.double().T
-        want = out.clone().addmm_(x, w.T)  # cuBLAS, beta = 1
-        got = gemv(x, w, out=out, accumulate=True)
-        assert got is out
-        err, err_cublas = _rel_err(got, ref), _rel_err(want, ref)
-        slack = 2 * _rounding(dtype) / got.numel() ** 0.5
-        assert err <= 1.25 * err_cublas + slack, f"M={m}: {err:.3e} vs cuBLAS {err_cublas:.3e}"
+    _check_accumulate(k, n, dtype, ROWS)
 
 
 @needs_kernels
@@ -309,3 +324,141 @@ def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypat
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
+
+
+# --- the wgmma GEMM for 17 to 256 rows (Hopper) ----------------------------------------------
+
+needs_wgmma = pytest.mark.skipif(
+    not ops.is_available() or not extension().wgmma_gemm_supported(),
+    reason="needs an sm_90 GPU and the kernels built for sm_90a")
+# Below, at and above each block of 64 rows; the decode batches of the ladder.
+WGMMA_ROWS = [1, 17, 24, 33, 64, 65, 100, 128, 129, 191, 192, 200, 255, 256]
+WGMMA_SHAPES = [(k, n) for k, n in QWEN3_0_6B + QWEN3_8B if n != 151936]
+
+
+def test_gemm_wgmma_rejects_bad_arguments():
+    bf16 = torch.bfloat16
+    x, w = torch.randn(20, 128, dtype=bf16), torch.randn(256, 128, dtype=bf16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        gemm_wgmma(x, w)
+    with pytest.raises(ValueError, match=f"x: {GEMM_MAX_ROWS + 1} rows"):
+        gemm_wgmma(torch.randn(GEMM_MAX_ROWS + 1, 128, dtype=bf16), w)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemm_wgmma(torch.randn(20, 96, dtype=bf16), torch.randn(256, 96, dtype=bf16))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemm_wgmma(x, torch.randn(200, 128, dtype=bf16))
+    with pytest.raises(ValueError, match="splits"):
+        gemm_wgmma(x, w, splits=17)
+    with pytest.raises(ValueError, match="accumulate=True adds into out"):
+        gemm_wgmma(x, w, accumulate=True)
+    assert not gemm_wgmma_usable(x, w)  # on the CPU
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", WGMMA_SHAPES, ids=[f"{k}x{n}" for k, n in WGMMA_SHAPES])
+def test_gemm_wgmma_qwen3_shapes(k, n, dtype):
+    """Qwen3-0.6B's and 8B's layers (the 8B's gate_up is two waves of tiles)."""
+    _check_shape(k, n, dtype, WGMMA_ROWS, product=gemm_wgmma)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("k, n", [(1024, 4096), (3072, 1024), (64, 128), (640, 384)])
+def test_gemm_wgmma_every_split(k, n, splits):
+    """Every cluster size, whatever the heuristic would pick: slices of K that
+    do not divide it evenly, and more CTAs asked for than slices of 64."""
+    _check_shape(k, n, torch.bfloat16, [3, 17, 64, 130, 256], splits=splits,
+                 product=gemm_wgmma)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 1, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", [(2048, 1024), (3072, 1024), (1024, 4096)])
+def test_gemm_wgmma_accumulate_adds_into_out(k, n, dtype, splits):
+    _check_accumulate(k, n, dtype, [17, 64, 100, 200, 256], product=gemm_wgmma,
+                      splits=splits)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+def test_gemm_wgmma_reads_strided_rows():
+    _check_shape(2048, 1024, torch.bfloat16, [17, 100, 256], x_pad=64, product=gemm_wgmma)
+    _check_shape(1024, 4096, torch.float16, [40, 129], x_pad=16, product=gemm_wgmma)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+def test_gemm_wgmma_usable_on_cuda():
+    dev, bf16 = "cuda", torch.bfloat16
+    w = torch.randn(1024, 2048, device=dev, dtype=bf16)
+    assert gemm_wgmma_usable(torch.randn(17, 2048, device=dev, dtype=bf16), w)
+    assert gemm_wgmma_usable(torch.randn(GEMM_MAX_ROWS, 2048, device=dev, dtype=bf16), w)
+    assert not gemm_wgmma_usable(torch.randn(GEMM_MAX_ROWS + 1, 2048, device=dev, dtype=bf16), w)
+    assert not gemm_wgmma_usable(torch.randn(17, 2048, device=dev), w.float())
+    head = torch.randn(151936, 1024, device=dev, dtype=bf16)  # many waves: cuBLAS's
+    assert not gemm_wgmma_usable(torch.randn(64, 1024, device=dev, dtype=bf16), head)
+    assert not gemm_wgmma_usable(torch.randn(64, 1000, device=dev, dtype=bf16),
+                                 torch.randn(128, 1000, device=dev, dtype=bf16))  # K % 64
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 96, 256])
+def test_gemm_wgmma_in_cuda_graph(rows):
+    """Captured once (tensor maps and all), replayed on new inputs."""
+    dev, dtype = "cuda", torch.bfloat16
+    w = torch.randn(1024, 3072, device=dev, dtype=dtype) * 3072 ** -0.5
+    x = torch.randn(rows, 3072, device=dev, dtype=dtype)
+    out = torch.empty(rows, 1024, device=dev, dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemm_wgmma(x, w, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_wgmma(x, w, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert _rel_err(out, x.double() @ w.double().T) < 1e-2
+
+
+@needs_wgmma
+@pytest.mark.gpu
+def test_linear_sends_the_shapes_where_wgmma_pays_to_it(monkeypatch):
+    """`Linear` picks the product by shape: o_proj / down_proj (1,024 outputs) at 17 to
+    64 rows go to gemm_wgmma, forward and add_to; qkv-sized outputs and 65 rows stay
+    cuBLAS's. Every result matches cuBLAS."""
+    dev, dtype = "cuda", torch.bfloat16
+    calls: list[tuple[int, int]] = []
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        calls.append((x.shape[0], weight.shape[0]))
+        return gemm_wgmma(x, weight, **kwargs)
+
+    monkeypatch.setattr(qwen3, "gemm_wgmma", spy)
+    o_proj = Linear(2048, [1024], device=dev, dtype=dtype, use_kernels=True)
+    qkv = Linear(1024, [2048, 1024, 1024], device=dev, dtype=dtype, use_kernels=True)
+    for layer in (o_proj, qkv):
+        layer.weight.copy_(torch.randn_like(layer.weight) * layer.weight.shape[1] ** -0.5)
+    for rows in (17, 40, 64, 65):
+        calls.clear()
+        x = torch.randn(rows, 2048, device=dev, dtype=dtype)
+        torch.testing.assert_close(o_proj(x), F.linear(x, o_proj.weight), rtol=2e-2, atol=2e-2)
+        residual = torch.randn(rows, 1024, device=dev, dtype=dtype)
+        want = residual.clone().addmm_(x, o_proj.weight.t())
+        o_proj.add_to(x, residual)
+        torch.testing.assert_close(residual, want, rtol=2e-2, atol=2e-2)
+        qkv(torch.randn(rows, 1024, device=dev, dtype=dtype))
+        expected = [(rows, 1024)] * 2 if rows <= 64 else []
+        assert calls == expected, f"rows={rows}: {calls}"
+        assert gemm_wgmma_pays(x, o_proj.weight) == (rows <= 64)

@@ -1,0 +1,416 @@
+// GEMM for decode steps of 17 to 256 sequences on Hopper (sm_90a):
+// y[M, N] = x[M, K] @ W[N, K]^T, or y += ..., for M <= 256.
+//
+// A decode step of a few hundred sequences multiplies a few hundred rows of
+// activations by each weight matrix: too many rows for the GEMV (it reads W
+// once per 16 rows), too few for a GEMM's usual tiles to fill 132 SMs. cuBLAS
+// spends 5 to 8 microseconds on each such product whatever M is, two to four
+// times what reading W takes. This kernel is built for these shapes; the
+// model uses it where it measured faster than cuBLAS (`gemm_wgmma_pays`:
+// the 1,024-wide o_proj and down_proj at up to 64 rows, chapter 9):
+//
+//   - A CTA computes a tile of 128 output features for *all* M rows, so W is
+//     read from HBM exactly once; x (at most 256 x K, a few hundred KB) is
+//     read by every tile of outputs, from L2.
+//   - K is split among the CTAs of a thread-block cluster: as many CTAs per
+//     tile as keep every cluster of the grid running at once (at most 8; a
+//     cluster's CTAs must share a GPC, so only 30 clusters of 4 fit on an
+//     H200, not 33). The cluster adds its partial tiles through distributed
+//     shared memory, in a fixed order, and each output is rounded once.
+//   - One thread of a producer warpgroup copies 64-wide slices of K of W and
+//     of x into a ring of shared-memory stages with the TMA (the 128-byte
+//     swizzle), counting their bytes on the stage's mbarrier. Its first W
+//     tiles are issued before the wait of programmatic launch: they overlap
+//     the kernel before (weights are never written by a step).
+//   - Two consumer warpgroups multiply each stage with wgmma (m64n128k16,
+//     both operands read from shared memory) into float32 registers, each
+//     taking every other block of 64 rows of x, and hand the stage back on
+//     its "empty" mbarrier.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common.cuh"
+#include "gemv_params.h"
+#include "pdl.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace mini_vllm {
+namespace {
+
+constexpr int kBN = 128;       // output features per CTA: the N of the wgmma
+constexpr int kBK = 64;        // K per stage: one 128-byte row of the swizzle
+constexpr int kStages = 4;     // stages of the ring
+constexpr int kConsumers = 2;  // consumer warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kWTileBytes = kBN * kBK * 2;   // 16 KB of W per stage
+constexpr int kXBlockBytes = 64 * kBK * 2;   // 8 KB per 64 rows of x per stage
+constexpr int kPartStride = kBN + 4;         // floats per row of a partial tile
+constexpr int kMaxSplits = 16;               // the largest cluster Hopper runs
+
+// Shared memory: [ring of stages, later the partial tile][full barriers][empty barriers].
+template <int BLOCKS_PER_WG>
+struct Layout {
+  static constexpr int kXBlocks = kConsumers * BLOCKS_PER_WG;  // 2 or 4: up to 128 or 256 rows
+  static constexpr int kStageBytes = kWTileBytes + kXBlocks * kXBlockBytes;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kPartBytes = kXBlocks * 64 * kPartStride * 4;
+  static constexpr int kDataBytes = kRingBytes > kPartBytes ? kRingBytes : kPartBytes;
+  // The swizzle is applied to shared addresses: stages start on 1,024 bytes.
+  static constexpr size_t kSmemBytes = 1024 + kDataBytes + 2 * kStages * 8;
+};
+
+[[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// --8<-- [start:cluster]
+// Every thread of every CTA of the cluster: writes to shared memory before
+// the barrier are visible to the whole cluster after it.
+[[maybe_unused]] __device__ __forceinline__ void cluster_sync() {
+#ifdef MINI_VLLM_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// Four floats at `addr` of this CTA's shared memory, read from the CTA of
+// rank `rank` in the cluster (distributed shared memory). No memory clobber:
+// the loads of all ranks can then be in flight at once (the cluster barrier
+// before them orders them after the writes).
+[[maybe_unused]] __device__ __forceinline__ float4 load_remote_f4(uint32_t addr, int rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#ifdef MINI_VLLM_WGMMA
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote));
+#endif
+  return v;
+}
+// --8<-- [end:cluster]
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T* y, float a, float b, bool accumulate) {
+  if (accumulate) {
+    const float2 old = TypeTraits<T>::to_float2(*reinterpret_cast<const uint32_t*>(y));
+    a += old.x;
+    b += old.y;
+  }
+  struct alignas(4) Pair {
+    T lo, hi;
+  };
+  *reinterpret_cast<Pair*>(y) = Pair{TypeTraits<T>::from_float(a), TypeTraits<T>::from_float(b)};
+}
+
+// --8<-- [start:kernel]
+template <typename T, int BLOCKS_PER_WG>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map,
+                      const __grid_constant__ CUtensorMap w_map, T* __restrict__ y, int m, int n,
+                      int chunks_per_split, int num_chunks, bool accumulate) {
+#ifdef MINI_VLLM_WGMMA
+  using L = Layout<BLOCKS_PER_WG>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
+  const uint32_t empty = full + kStages * 8;   // both consumers are done with it
+  const int warpgroup = threadIdx.x / 128;
+  const int n0 = blockIdx.x * kBN;
+  const int split = blockIdx.y;  // the cluster spans the splits: also its rank
+  const int splits = gridDim.y;
+  const int c_begin = split * chunks_per_split;
+  const int chunks = min(num_chunks, c_begin + chunks_per_split) - c_begin;
+  const int x_blocks = (m + 63) / 64;
+  const uint32_t stage_bytes = kWTileBytes + x_blocks * kXBlockBytes;
+  auto stage = [&](int s) { return ring + s * L::kStageBytes; };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full + 8 * s, 1);
+      mbarrier_init(empty + 8 * s, kConsumers);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  float acc[BLOCKS_PER_WG][64];
+  if (warpgroup == 0) {
+    // The producer: one thread issues every copy.
+    if (threadIdx.x == 0) {
+      const int first = min(chunks, kStages);
+      for (int s = 0; s < first; ++s) {
+        mbarrier_arrive_expect_tx(full + 8 * s, stage_bytes);
+        tma_load_2d(stage(s), &w_map, full + 8 * s, (c_begin + s) * kBK, n0);
+      }
+      pdl_wait();  // x is the previous kernel's output
+      for (int s = 0; s < first; ++s) {
+        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + s) * kBK, 0);
+      }
+      for (int c = kStages; c < chunks; ++c) {
+        const int s = c % kStages;
+        mbarrier_wait(empty + 8 * s, (c / kStages - 1) & 1);
+        mbarrier_arrive_expect_tx(full + 8 * s, stage_bytes);
+        tma_load_2d(stage(s), &w_map, full + 8 * s, (c_begin + c) * kBK, n0);
+        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + c) * kBK, 0);
+      }
+    }
+    __syncwarp();
+  } else {
+    // A consumer: blocks wg, wg + 2 (of 64 rows of x) times the stage's W tile.
+    const int wg = warpgroup - 1;
+#pragma unroll
+    for (int i = 0; i < BLOCKS_PER_WG; ++i)
+#pragma unroll
+      for (int r = 0; r < 64; ++r) acc[i][r] = 0.f;
+    pdl_wait();  // the epilogue may read y
+    for (int c = 0; c < chunks; ++c) {
+      const int s = c % kStages;
+      mbarrier_wait(full + 8 * s, (c / kStages) & 1);
+      const uint32_t w_tile = stage(s);
+      const uint32_t x_tile = w_tile + kWTileBytes;
+#pragma unroll
+      for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < kBK / 16; ++k16) {
+        const uint64_t desc_w = wgmma_desc(w_tile + 32 * k16);
+#pragma unroll
+        for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+          const int blk = wg + kConsumers * i;
+          if (blk < x_blocks) {
+            wgmma_m64n128k16<T>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
+                                desc_w);
+          }
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
+      if (threadIdx.x % 128 == 0) mbarrier_arrive(empty + 8 * s);
+    }
+  }
+  pdl_launch_dependents();
+
+  // Where this thread's accumulators sit in the tile (see wgmma_m64n128k16).
+  const int lane = threadIdx.x % 32;
+  const int row_in_block = (threadIdx.x / 32) % 4 * 16 + lane / 4;
+  const int col_in_pair = 2 * (lane % 4);
+
+  if (splits == 1) {
+    if (warpgroup == 0) return;
+#pragma unroll
+    for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+      const int blk = warpgroup - 1 + kConsumers * i;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = blk * 64 + row_in_block + 8 * half;
+        if (row >= m) continue;
+        T* y_row = y + static_cast<int64_t>(row) * n + n0 + col_in_pair;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          store_pair(y_row + 8 * j, acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1],
+                     accumulate);
+        }
+      }
+    }
+    return;
+  }
+
+  // Split K: each CTA leaves its partial tile in its own shared memory (the
+  // ring is free once both consumers are past their last stage) ...
+  if (warpgroup > 0) {
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * kConsumers) : "memory");
+    float* part = reinterpret_cast<float*>(smem_raw + (ring - smem_u32(smem_raw)));
+#pragma unroll
+    for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+      const int blk = warpgroup - 1 + kConsumers * i;
+      if (blk >= x_blocks) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* p = part + (blk * 64 + row_in_block + 8 * half) * kPartStride + col_in_pair;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          *reinterpret_cast<float2*>(p + 8 * j) =
+              make_float2(acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+  cluster_sync();
+  // ... and CTA r of the cluster sums rows [r * rows, (r + 1) * rows) of the
+  // tile over all of them, in rank order, four columns per thread.
+  const int rows = (m + splits - 1) / splits;
+  const int row0 = split * rows;
+  const int items = max(0, min(m, row0 + rows) - row0) * (kBN / 4);
+  for (int it = threadIdx.x; it < items; it += kThreads) {
+    const int row = row0 + it / (kBN / 4);
+    const int col = it % (kBN / 4) * 4;
+    const uint32_t addr = ring + (row * kPartStride + col) * 4;
+    float4 part[kMaxSplits];  // every rank's loads issued before the first add
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      if (r < splits) part[r] = load_remote_f4(addr, r);
+    }
+    float4 sum = part[0];
+#pragma unroll
+    for (int r = 1; r < kMaxSplits; ++r) {
+      if (r < splits) {
+        sum.x += part[r].x;
+        sum.y += part[r].y;
+        sum.z += part[r].z;
+        sum.w += part[r].w;
+      }
+    }
+    T* out = y + static_cast<int64_t>(row) * n + n0 + col;
+    store_pair(out, sum.x, sum.y, accumulate);
+    store_pair(out + 2, sum.z, sum.w, accumulate);
+  }
+  cluster_sync();  // no CTA leaves while another still reads its tile
+#endif
+}
+// --8<-- [end:kernel]
+
+// How many clusters of `size` CTAs of `kernel` the GPU runs at once: a
+// cluster's CTAs must sit on SMs of one GPC, so at one CTA per SM fewer than
+// 132 / size fit (30 clusters of 4 on an H200). Asked once per size.
+int max_active_clusters(const void* kernel, int size, size_t smem) {
+  static std::map<std::pair<const void*, int>, int> known;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, size);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, size, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = size;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg),
+             "cudaOccupancyMaxActiveClusters");
+  return known[key] = clusters;
+}
+
+// --8<-- [start:splits]
+// How many CTAs share a tile of outputs: the most (up to `limit`) whose
+// clusters all run at once, each CTA with a whole number of 64-wide slices of K.
+int choose_splits(const void* kernel, size_t smem, int tiles, int num_chunks, int limit) {
+  int best = 1;
+  for (int splits = 2; splits <= std::min(limit, num_chunks); ++splits) {
+    if (ceil_div(num_chunks, ceil_div(num_chunks, splits)) != splits) continue;  // uneven
+    if (tiles <= max_active_clusters(kernel, splits, smem)) best = splits;
+  }
+  return best;
+}
+// --8<-- [end:splits]
+
+template <typename T, int BLOCKS_PER_WG>
+void launch(const GemvParams& p, cudaStream_t stream) {
+  using L = Layout<BLOCKS_PER_WG>;
+  auto kernel = gemm_wgmma_kernel<T, BLOCKS_PER_WG>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), L::kSmemBytes);
+  static const bool large_clusters = [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+               "gemm_wgmma: allow clusters of 16");
+    return true;
+  }();
+  (void)large_clusters;
+
+  const int tiles = p.n / kBN;
+  const int num_chunks = p.k / kBK;
+  int splits = p.splits > 0 ? std::min(p.splits, num_chunks)
+                            : choose_splits(reinterpret_cast<const void*>(kernel),
+                                            L::kSmemBytes, tiles, num_chunks,
+                                            kGemmDefaultMaxSplits);
+  const int per = ceil_div(num_chunks, splits);
+  splits = ceil_div(num_chunks, per);
+
+  const int x_rows = ceil_div(p.m, 64) * 64;
+  const uint64_t x_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m)};
+  const uint64_t x_strides[1] = {static_cast<uint64_t>(p.x_stride) * 2};
+  const uint32_t x_box[2] = {kBK, static_cast<uint32_t>(x_rows)};
+  const uint64_t w_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n)};
+  const uint64_t w_strides[1] = {static_cast<uint64_t>(p.k) * 2};
+  const uint32_t w_box[2] = {kBK, kBN};
+  const CUtensorMap x_map = make_tensor_map(p.x, p.dtype, 2, x_sizes, x_strides, x_box);
+  const CUtensorMap w_map = make_tensor_map(p.w, p.dtype, 2, w_sizes, w_strides, w_box);
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(tiles, splits, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = L::kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int num_attrs = 0;
+  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+  attr[num_attrs].val.clusterDim.x = 1;
+  attr[num_attrs].val.clusterDim.y = splits;
+  attr[num_attrs].val.clusterDim.z = 1;
+  ++num_attrs;
+  if (programmatic_launch_flag().load(std::memory_order_relaxed)) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = num_attrs;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, static_cast<T*>(p.y), p.m, p.n, per,
+                                num_chunks, p.accumulate),
+             "gemm_wgmma launch");
+}
+
+template <typename T>
+void dispatch_rows(const GemvParams& p, cudaStream_t stream) {
+  if (p.m <= 64 * kConsumers) {
+    launch<T, 1>(p, stream);
+  } else {
+    launch<T, 2>(p, stream);
+  }
+}
+
+}  // namespace
+
+bool wgmma_gemm_supported() {
+#ifdef MINI_VLLM_HAS_SM90A
+  return device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
+         device_attribute(cudaDevAttrComputeCapabilityMinor) == 0;
+#else
+  return false;
+#endif
+}
+
+void gemm_wgmma(const GemvParams& p, cudaStream_t stream) {
+  if (!wgmma_gemm_supported()) {
+    throw std::invalid_argument(
+        "gemm_wgmma needs an sm_90 GPU (H100/H200) and a build for the 90a target");
+  }
+  if (p.m < 1 || p.m > kGemmMaxRows) {
+    throw std::invalid_argument("gemm_wgmma: m must be 1 to " + std::to_string(kGemmMaxRows));
+  }
+  if (p.n <= 0 || p.n % kBN || p.k <= 0 || p.k % kBK) {
+    throw std::invalid_argument("gemm_wgmma: n must be a multiple of 128 and k of 64");
+  }
+  if (p.splits < 0 || p.splits > kMaxSplits) {
+    throw std::invalid_argument("gemm_wgmma: splits must be 0 (the kernel's choice) to 16");
+  }
+  if (p.dtype == DType::kBFloat16) {
+    dispatch_rows<__nv_bfloat16>(p, stream);
+  } else if (p.dtype == DType::kFloat16) {
+    dispatch_rows<__half>(p, stream);
+  } else {
+    throw std::invalid_argument("gemm_wgmma: dtype must be float16 or bfloat16");
+  }
+}
+
+}  // namespace mini_vllm
