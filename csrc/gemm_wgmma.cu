@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
   const uint32_t empty = full + kStages * 8;   // both consumers are done with it
-  const int warpgroup = threadIdx.x / 128;
+  // The same in every lane (the shuffle tells the compiler so): branches on it
+  // do not diverge within a warpgroup, and its wgmma's stay asynchronous.
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const int n0 = blockIdx.x * kBN;
   const int split = blockIdx.y;  // the cluster spans the splits: also its rank
   const int splits = gridDim.y;
@@ -179,13 +181,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
         const uint64_t desc_w = wgmma_desc(w_tile + 32 * k16);
+        // Every block, even past the rows the copy filled (their sums are
+        // never stored): a branch here would make the compiler fence the
+        // products from each other.
 #pragma unroll
         for (int i = 0; i < BLOCKS_PER_WG; ++i) {
           const int blk = wg + kConsumers * i;
-          if (blk < x_blocks) {
-            wgmma_m64n128k16<T>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
-                                desc_w);
-          }
+          wgmma_m64n128k16<T>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
+                              desc_w);
         }
       }
       wgmma_commit();

@@ -227,31 +227,36 @@ def test_gemv_usable_on_cuda():
                            torch.randn(8, 60, device=dev, dtype=bf16))  # K % 8
 
 
-@needs_kernels
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 5, 8, 11, 16])
-def test_gemv_in_cuda_graph(rows):
-    """Captured once, replayed on new inputs: no host sync, no allocation in the launch."""
+def _check_graph_replay(product, rows: int, k: int, n: int) -> None:
+    """`product` captured once in a CUDA graph, replayed on new inputs: no host
+    sync, no allocation in the launch (and for gemm_wgmma, its tensor maps kept)."""
     dev, dtype = "cuda", torch.bfloat16
-    w = torch.randn(4096, 1024, device=dev, dtype=dtype)
-    x = torch.randn(rows, 1024, device=dev, dtype=dtype)
-    out = torch.empty(rows, 4096, device=dev, dtype=dtype)
+    w = torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5
+    x = torch.randn(rows, k, device=dev, dtype=dtype)
+    out = torch.empty(rows, n, device=dev, dtype=dtype)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the capture, as torch advises
-        gemv(x, w, out=out)
+        product(x, w, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gemv(x, w, out=out)
+        product(x, w, out=out)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = x.double() @ w.double().T
         assert not out.isnan().any()
-        assert _rel_err(out, ref) < 1e-2
+        assert _rel_err(out, x.double() @ w.double().T) < 1e-2
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 8, 11, 16])
+def test_gemv_in_cuda_graph(rows):
+    """Captured once, replayed on new inputs: no host sync, no allocation in the launch."""
+    _check_graph_replay(gemv, rows, k=1024, n=4096)
 
 
 @needs_kernels
@@ -411,25 +416,7 @@ def test_gemm_wgmma_usable_on_cuda():
 @pytest.mark.parametrize("rows", [17, 96, 256])
 def test_gemm_wgmma_in_cuda_graph(rows):
     """Captured once (tensor maps and all), replayed on new inputs."""
-    dev, dtype = "cuda", torch.bfloat16
-    w = torch.randn(1024, 3072, device=dev, dtype=dtype) * 3072 ** -0.5
-    x = torch.randn(rows, 3072, device=dev, dtype=dtype)
-    out = torch.empty(rows, 1024, device=dev, dtype=dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        gemm_wgmma(x, w, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemm_wgmma(x, w, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not out.isnan().any()
-        assert _rel_err(out, x.double() @ w.double().T) < 1e-2
+    _check_graph_replay(gemm_wgmma, rows, k=3072, n=1024)
 
 
 @needs_wgmma
