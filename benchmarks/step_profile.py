@@ -173,28 +173,28 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     if graph_bs is not None:
         bounds = runner.graph_runner.bounds[graph_bs]  # the graph the steps above replayed
         bound = bounds[bisect.bisect_left(bounds, context + steps)]
-        result["graph_replay_gpu_ms"] = _event_ms(
-            lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
+        def replay_ms() -> float:
+            return _event_ms(lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
+
+        def recaptured_replay_ms(setting: contextlib.AbstractContextManager) -> float:
+            """The same graph captured under `setting`; the graphs as they were after."""
+            try:
+                with setting:
+                    runner.graph_runner.capture()
+                    return replay_ms()
+            finally:
+                runner.graph_runner.capture()
+
+        result["graph_replay_gpu_ms"] = replay_ms()
         if ops.is_available() and ops.programmatic_launch():
             # The same graph captured with every kernel launched plainly.
-            ops.set_programmatic_launch(False)
-            try:
-                runner.graph_runner.capture()
-                result["graph_replay_gpu_ms_without_pdl"] = _event_ms(
-                    lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
-            finally:
-                ops.set_programmatic_launch(True)
-                runner.graph_runner.capture()
+            result["graph_replay_gpu_ms_without_pdl"] = recaptured_replay_ms(
+                without_programmatic_launch())
         if ops.is_available() and extension().wgmma_gemm_supported():
             # The same graph with every product of 17 to 256 rows cuBLAS's:
             # what gemm_wgmma buys at this batch (nothing above 64 rows).
-            try:
-                with without_wgmma_gemm():
-                    runner.graph_runner.capture()
-                    result["graph_replay_gpu_ms_without_wgmma_gemm"] = _event_ms(
-                        lambda: runner.graph_runner.graphs[graph_bs, bound].replay(), steps)
-            finally:
-                runner.graph_runner.capture()
+            result["graph_replay_gpu_ms_without_wgmma_gemm"] = recaptured_replay_ms(
+                without_wgmma_gemm())
     result["eager_forward_ms"] = _event_ms(
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
     logits = runner.execute(entries(0), float_logits=False)
@@ -332,6 +332,16 @@ def profile_engine(model_dir: Path, load_format: str, ns: argparse.Namespace) ->
     return {"batch": running, "context": ns.context, "async": engine_async,
             "step_wall_as_configured_ms": _ms(walls),
             **{f"{k}_ms": _ms(v) for k, v in parts.items()}}
+
+
+@contextlib.contextmanager
+def without_programmatic_launch() -> Iterator[None]:
+    """Launch every kernel plainly inside the block (on again after it)."""
+    ops.set_programmatic_launch(False)
+    try:
+        yield
+    finally:
+        ops.set_programmatic_launch(True)
 
 
 @contextlib.contextmanager

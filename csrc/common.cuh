@@ -32,6 +32,12 @@ int device_attribute(cudaDeviceAttr attr);
 // per (device, kernel, threads, smem) and remembered (csrc/device.cu).
 int resident_blocks_per_sm(const void* kernel, int threads, size_t smem);
 
+// How many clusters of `cluster` CTAs of `kernel` (each of `threads` threads
+// and `smem` bytes) the current device runs at once: a cluster's CTAs share a
+// GPC, so this can be fewer than the SM count suggests. Asked once per
+// (device, kernel, threads, smem, cluster) and remembered (csrc/device.cu).
+int max_active_clusters(const void* kernel, int threads, size_t smem, int cluster);
+
 // Let `kernel` use `bytes` of dynamic shared memory and ask for the largest
 // shared-memory carveout (K/V bypass L1); set on the current device the first
 // time, and again only when more is asked (csrc/device.cu).

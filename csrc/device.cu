@@ -36,6 +36,29 @@ int resident_blocks_per_sm(const void* kernel, int threads, size_t smem) {
   return it->second;
 }
 
+int max_active_clusters(const void* kernel, int threads, size_t smem, int cluster) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  thread_local std::map<std::tuple<int, const void*, int, size_t, int>, int> known;
+  const auto [it, added] = known.try_emplace({device, kernel, threads, smem, cluster}, 0);
+  if (added) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(cluster, 1, 1);
+    cfg.blockDim = dim3(threads, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    check_cuda(cudaOccupancyMaxActiveClusters(&it->second, kernel, &cfg),
+               "cudaOccupancyMaxActiveClusters");
+  }
+  return it->second;
+}
+
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

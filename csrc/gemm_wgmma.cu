@@ -27,10 +27,7 @@
 //     taking every other block of 64 rows of x, and hand the stage back on
 //     its "empty" mbarrier.
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
-#include <utility>
 
 #include "common.cuh"
 #include "gemv_params.h"
@@ -275,44 +272,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_pair(out + 2, sum.z, sum.w, accumulate);
   }
   cluster_sync();  // no CTA leaves while another still reads its tile
+#else
+  __trap();  // built without sm_90a: the host never launches it (wgmma_gemm_supported)
 #endif
 }
 // --8<-- [end:kernel]
 
-// How many clusters of `size` CTAs of `kernel` the GPU runs at once: a
-// cluster's CTAs must sit on SMs of one GPC, so at one CTA per SM fewer than
-// 132 / size fit (30 clusters of 4 on an H200). Asked once per size.
-int max_active_clusters(const void* kernel, int size, size_t smem) {
-  static std::map<std::pair<const void*, int>, int> known;
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, size);
-  if (auto it = known.find(key); it != known.end()) return it->second;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(1, size, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = size;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  int clusters = 0;
-  check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg),
-             "cudaOccupancyMaxActiveClusters");
-  return known[key] = clusters;
-}
-
 // --8<-- [start:splits]
 // How many CTAs share a tile of outputs: the most (up to `limit`) whose
 // clusters all run at once, each CTA with a whole number of 64-wide slices of K.
+// A cluster's CTAs must sit on SMs of one GPC: at one CTA per SM, an H200
+// runs 30 clusters of 4, not 132 / 4 = 33.
 int choose_splits(const void* kernel, size_t smem, int tiles, int num_chunks, int limit) {
   int best = 1;
   for (int splits = 2; splits <= std::min(limit, num_chunks); ++splits) {
     if (ceil_div(num_chunks, ceil_div(num_chunks, splits)) != splits) continue;  // uneven
-    if (tiles <= max_active_clusters(kernel, splits, smem)) best = splits;
+    if (tiles <= max_active_clusters(kernel, kThreads, smem, splits)) best = splits;
   }
   return best;
 }
@@ -349,28 +324,9 @@ void launch(const GemvParams& p, cudaStream_t stream) {
   const CUtensorMap x_map = make_tensor_map(p.x, p.dtype, 2, x_sizes, x_strides, x_box);
   const CUtensorMap w_map = make_tensor_map(p.w, p.dtype, 2, w_sizes, w_strides, w_box);
 
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(tiles, splits, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = L::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int num_attrs = 0;
-  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-  attr[num_attrs].val.clusterDim.x = 1;
-  attr[num_attrs].val.clusterDim.y = splits;
-  attr[num_attrs].val.clusterDim.z = 1;
-  ++num_attrs;
-  if (programmatic_launch_flag().load(std::memory_order_relaxed)) {
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, x_map, w_map, static_cast<T*>(p.y), p.m, p.n, per,
-                                num_chunks, p.accumulate),
-             "gemm_wgmma launch");
+  launch_kernel_in_clusters(kernel, dim3(tiles, splits), dim3(kThreads), dim3(1, splits),
+                            L::kSmemBytes, stream, "gemm_wgmma", x_map, w_map,
+                            static_cast<T*>(p.y), p.m, p.n, per, num_chunks, p.accumulate);
 }
 
 template <typename T>

@@ -50,24 +50,43 @@ __device__ __forceinline__ void pdl_wait() {
 std::atomic<bool>& programmatic_launch_flag();
 bool programmatic_launch_supported();  // the current device is sm_90 or newer
 
-// Launch `kernel` on `stream`, with PDL when it is on and supported.
+// Launch `kernel` on `stream` in clusters of `cluster` CTAs (1 x 1 x 1: no
+// clusters), with PDL when it is on and supported.
 template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, const char* what, Args&&... args) {
+void launch_kernel_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 cluster,
+                               size_t smem, cudaStream_t stream, const char* what,
+                               Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (programmatic_launch_flag().load(std::memory_order_relaxed) &&
+      programmatic_launch_supported()) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = cluster.x;
+    attr[num_attrs].val.clusterDim.y = cluster.y;
+    attr[num_attrs].val.clusterDim.z = cluster.z;
+    ++num_attrs;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic_launch_flag().load(std::memory_order_relaxed) &&
-                         programmatic_launch_supported()
-                     ? 1
-                     : 0;
+  cfg.numAttrs = num_attrs;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+
+// Launch `kernel` on `stream`, with PDL when it is on and supported.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, const char* what, Args&&... args) {
+  launch_kernel_in_clusters(kernel, grid, block, dim3(1, 1, 1), smem, stream, what,
+                            std::forward<Args>(args)...);
 }
 
 }  // namespace mini_vllm
