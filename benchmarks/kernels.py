@@ -47,7 +47,9 @@ blocks in order: the paged cache then holds the bytes in SDPA's contiguous
 order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
 16 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x and y,
-each once).
+each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
+``gemm_plans`` (``gemm_wgmma`` at every plan, rows per CTA by splits of K, at
+Qwen3-0.6B's shapes: the sweep that sets the constants of its ``plan_cycles``).
 """
 
 from __future__ import annotations
@@ -378,6 +380,8 @@ GEMV_ROWS = (1, 2, 4, 8, 16)
 # The wgmma GEMM: decode batches of 17 to 256 sequences, the layers whose
 # tiles of 128 outputs fill the GPU at most once (the lm_head stays cuBLAS's).
 GEMM_ROWS = (24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+GEMM_PLAN_ROWS = (32, 64, 96, 128, 192, 256)
+GEMM_PLAN_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
                "Qwen3-8B": GEMV_SHAPES["Qwen3-8B"][:2] + GEMV_SHAPES["Qwen3-8B"][3:4]}
 
@@ -820,6 +824,14 @@ def run(args: argparse.Namespace) -> dict:
         result["gemm"] = bench_gemv(copy_bw, device, rows=GEMM_ROWS, shapes=GEMM_SHAPES,
                                     product=gemm_wgmma,
                                     variants={f"s{s}": {"splits": s} for s in (4, 8, 16)})
+        save()
+    if "gemm_plans" in tables:
+        print(f"gemm_plans: gemm_wgmma at every plan (rows per CTA x splits), "
+              f"{GEMM_PLAN_ROWS} rows, bf16")
+        result["gemm_plans"] = bench_gemv(
+            copy_bw, device, rows=GEMM_PLAN_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
+            product=gemm_wgmma, variants={f"r{r}s{s}": {"rows_per_cta": r, "splits": s}
+                                          for r in (128, 256) for s in GEMM_PLAN_SPLITS})
         save()
     return result
 

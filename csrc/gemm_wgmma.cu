@@ -40,7 +40,6 @@ namespace {
 
 constexpr int kBN = 128;       // output features per CTA: the N of the wgmma
 constexpr int kBK = 64;        // K per stage: one 128-byte row of the swizzle
-constexpr int kStages = 4;     // stages of the ring
 constexpr int kConsumers = 2;  // consumer warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kWTileBytes = kBN * kBK * 2;   // 16 KB of W per stage
@@ -49,15 +48,21 @@ constexpr int kPartStride = kBN + 4;         // floats per row of a partial tile
 constexpr int kMaxSplits = 16;               // the largest cluster Hopper runs
 
 // Shared memory: [ring of stages, later the partial tile][full barriers][empty barriers].
+// A CTA takes up to 128 rows of x (BLOCKS_PER_WG = 1) or 256 (2); the ring
+// has as many stages as fit in 192 KB.
 template <int BLOCKS_PER_WG>
 struct Layout {
   static constexpr int kXBlocks = kConsumers * BLOCKS_PER_WG;  // 2 or 4: up to 128 or 256 rows
+  static constexpr int kRows = 64 * kXBlocks;
   static constexpr int kStageBytes = kWTileBytes + kXBlocks * kXBlockBytes;
+  static constexpr int kStages = 192 * 1024 / kStageBytes;     // 6 or 4
   static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kPartBytes = kXBlocks * 64 * kPartStride * 4;
+  static constexpr int kPartBytes = kRows * kPartStride * 4;
   static constexpr int kDataBytes = kRingBytes > kPartBytes ? kRingBytes : kPartBytes;
   // The swizzle is applied to shared addresses: stages start on 1,024 bytes.
-  static constexpr size_t kSmemBytes = 1024 + kDataBytes + 2 * kStages * 8;
+  // Room for 16 barriers whatever the stages, so both layouts take the same.
+  static_assert(kStages <= 8);
+  static constexpr size_t kSmemBytes = 1024 + kDataBytes + 2 * 8 * 8;
 };
 
 [[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -112,6 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       int chunks_per_split, int num_chunks, bool accumulate) {
 #ifdef MINI_VLLM_WGMMA
   using L = Layout<BLOCKS_PER_WG>;
+  constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
@@ -122,10 +128,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int n0 = blockIdx.x * kBN;
   const int split = blockIdx.y;  // the cluster spans the splits: also its rank
   const int splits = gridDim.y;
+  const int m0 = blockIdx.z * L::kRows;  // this CTA's rows: [m0, m0 + m_cta)
+  const int m_cta = min(m - m0, L::kRows);
   const int c_begin = split * chunks_per_split;
   const int chunks = min(num_chunks, c_begin + chunks_per_split) - c_begin;
-  const int x_blocks = (m + 63) / 64;
-  const uint32_t stage_bytes = kWTileBytes + x_blocks * kXBlockBytes;
+  // Every CTA copies the same box of rows (the TMA fills rows past m with zeros).
+  const uint32_t stage_bytes = kWTileBytes + min((m + 63) / 64, L::kXBlocks) * kXBlockBytes;
   auto stage = [&](int s) { return ring + s * L::kStageBytes; };
 
   if (threadIdx.x == 0) {
@@ -148,14 +156,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       pdl_wait();  // x is the previous kernel's output
       for (int s = 0; s < first; ++s) {
-        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + s) * kBK, 0);
+        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + s) * kBK, m0);
       }
       for (int c = kStages; c < chunks; ++c) {
         const int s = c % kStages;
         mbarrier_wait(empty + 8 * s, (c / kStages - 1) & 1);
         mbarrier_arrive_expect_tx(full + 8 * s, stage_bytes);
         tma_load_2d(stage(s), &w_map, full + 8 * s, (c_begin + c) * kBK, n0);
-        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + c) * kBK, 0);
+        tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + c) * kBK, m0);
       }
     }
     __syncwarp();
@@ -189,11 +197,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      // Keep this stage's products running while the last stage's finish:
+      // the tensor cores never wait on the hand-over between two stages.
+      wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
-      if (threadIdx.x % 128 == 0) mbarrier_arrive(empty + 8 * s);
+      if (c > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(empty + 8 * ((c - 1) % kStages));
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
   }
   pdl_launch_dependents();
 
@@ -201,6 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int row_in_block = (threadIdx.x / 32) % 4 * 16 + lane / 4;
   const int col_in_pair = 2 * (lane % 4);
+  T* const y_tile = y + static_cast<int64_t>(m0) * n + n0;
 
   if (splits == 1) {
     if (warpgroup == 0) return;
@@ -210,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = blk * 64 + row_in_block + 8 * half;
-        if (row >= m) continue;
-        T* y_row = y + static_cast<int64_t>(row) * n + n0 + col_in_pair;
+        if (row >= m_cta) continue;
+        T* y_row = y_tile + static_cast<int64_t>(row) * n + col_in_pair;
 #pragma unroll
         for (int j = 0; j < kBN / 8; ++j) {
           store_pair(y_row + 8 * j, acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1],
@@ -230,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < BLOCKS_PER_WG; ++i) {
       const int blk = warpgroup - 1 + kConsumers * i;
-      if (blk >= x_blocks) continue;
+      if (blk * 64 >= m_cta) continue;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float* p = part + (blk * 64 + row_in_block + 8 * half) * kPartStride + col_in_pair;
@@ -245,9 +259,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_sync();
   // ... and CTA r of the cluster sums rows [r * rows, (r + 1) * rows) of the
   // tile over all of them, in rank order, four columns per thread.
-  const int rows = (m + splits - 1) / splits;
+  const int rows = (m_cta + splits - 1) / splits;
   const int row0 = split * rows;
-  const int items = max(0, min(m, row0 + rows) - row0) * (kBN / 4);
+  const int items = max(0, min(m_cta, row0 + rows) - row0) * (kBN / 4);
   for (int it = threadIdx.x; it < items; it += kThreads) {
     const int row = row0 + it / (kBN / 4);
     const int col = it % (kBN / 4) * 4;
@@ -267,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sum.w += part[r].w;
       }
     }
-    T* out = y + static_cast<int64_t>(row) * n + n0 + col;
+    T* out = y_tile + static_cast<int64_t>(row) * n + col;
     store_pair(out, sum.x, sum.y, accumulate);
     store_pair(out + 2, sum.z, sum.w, accumulate);
   }
@@ -278,63 +292,113 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 // --8<-- [end:kernel]
 
-// --8<-- [start:splits]
-// How many CTAs share a tile of outputs: the most (up to `limit`) whose
-// clusters all run at once, each CTA with a whole number of 64-wide slices of K.
+// --8<-- [start:plan]
+// How a product is cut into CTAs: tiles of 128 outputs by `rows` rows of x
+// (128, or 256 in one CTA), each tile's K split among the `splits` CTAs of a
+// cluster.
+struct Plan {
+  int rows = 128;
+  int splits = 1;
+};
+
+// A rough time of a plan, in SM cycles: the waves of clusters times what one
+// CTA does. Per 64-wide slice of K a CTA copies 16 KB of W and 8 KB per 64
+// rows of x (at about 64 bytes a cycle from L2) while its tensor cores take
+// 256 cycles per 64 rows it multiplies (its consumers multiply every block,
+// filled or not); a split adds the sum of the partial tiles through
+// distributed shared memory. The constants come from sweeping every plan on
+// an H200 (benchmarks/kernels.py --tables gemm_plans).
+double plan_cycles(const Plan& plan, int m, int tiles, int num_chunks, int clusters_at_once) {
+  const int m_tiles = ceil_div(m, plan.rows);
+  const int waves = ceil_div(tiles * m_tiles, std::max(clusters_at_once, 1));
+  const int x_blocks = std::min(ceil_div(m, 64), plan.rows / 64);
+  const int chunks = ceil_div(num_chunks, plan.splits);
+  const double per_chunk = std::max(256.0 + 128.0 * x_blocks, 256.0 * (plan.rows / 64));
+  const double reduce =
+      plan.splits > 1 ? 600.0 + 24.0 * std::min(m, plan.rows) + 100.0 * plan.splits : 0.0;
+  return waves * (1500.0 + chunks * per_chunk + reduce);
+}
+
+// The cheapest plan by plan_cycles: 128-row tiles (and 256 in one CTA when
+// m > 128), every split of up to kGemmDefaultMaxSplits that cuts K evenly;
+// or the rows and splits the caller forced (0: not forced).
 // A cluster's CTAs must sit on SMs of one GPC: at one CTA per SM, an H200
-// runs 30 clusters of 4, not 132 / 4 = 33.
-int choose_splits(const void* kernel, size_t smem, int tiles, int num_chunks, int limit) {
-  int best = 1;
-  for (int splits = 2; splits <= std::min(limit, num_chunks); ++splits) {
-    if (ceil_div(num_chunks, ceil_div(num_chunks, splits)) != splits) continue;  // uneven
-    if (tiles <= max_active_clusters(kernel, kThreads, smem, splits)) best = splits;
+// runs 30 clusters of 4, not 132 / 4 = 33 (max_active_clusters says how many).
+Plan choose_plan(const void* kernel, size_t smem, int m, int tiles, int num_chunks,
+                 int forced_rows, int forced_splits) {
+  Plan best;
+  double best_cycles = 0.0;
+  for (const int rows : {128, 256}) {
+    if (forced_rows ? rows != forced_rows : rows == 256 && m <= 128) continue;
+    for (int splits = 1; splits <= std::min(kMaxSplits, num_chunks); ++splits) {
+      const bool even = ceil_div(num_chunks, ceil_div(num_chunks, splits)) == splits;
+      if (forced_splits ? splits != std::min(forced_splits, num_chunks)
+                        : !even || splits > kGemmDefaultMaxSplits) {
+        continue;
+      }
+      const Plan plan{rows, ceil_div(num_chunks, ceil_div(num_chunks, splits))};
+      const double cycles = plan_cycles(plan, m, tiles, num_chunks,
+                                        max_active_clusters(kernel, kThreads, smem, plan.splits));
+      if (best_cycles == 0.0 || cycles < best_cycles) {
+        best = plan;
+        best_cycles = cycles;
+      }
+    }
   }
   return best;
 }
-// --8<-- [end:splits]
+// --8<-- [end:plan]
 
+// The kernel for 64 * kConsumers * BLOCKS_PER_WG rows per CTA, set up for
+// its shared memory and for clusters of up to 16.
 template <typename T, int BLOCKS_PER_WG>
-void launch(const GemvParams& p, cudaStream_t stream) {
-  using L = Layout<BLOCKS_PER_WG>;
-  auto kernel = gemm_wgmma_kernel<T, BLOCKS_PER_WG>;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), L::kSmemBytes);
+const void* prepared_kernel() {
+  const void* kernel = reinterpret_cast<const void*>(gemm_wgmma_kernel<T, BLOCKS_PER_WG>);
   static const bool large_clusters = [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                "gemm_wgmma: allow clusters of 16");
     return true;
   }();
   (void)large_clusters;
+  allow_dynamic_smem(kernel, Layout<BLOCKS_PER_WG>::kSmemBytes);
+  return kernel;
+}
 
+template <typename T, int BLOCKS_PER_WG>
+void launch(const GemvParams& p, int splits, cudaStream_t stream) {
+  using L = Layout<BLOCKS_PER_WG>;
+  prepared_kernel<T, BLOCKS_PER_WG>();
   const int tiles = p.n / kBN;
   const int num_chunks = p.k / kBK;
-  int splits = p.splits > 0 ? std::min(p.splits, num_chunks)
-                            : choose_splits(reinterpret_cast<const void*>(kernel),
-                                            L::kSmemBytes, tiles, num_chunks,
-                                            kGemmDefaultMaxSplits);
   const int per = ceil_div(num_chunks, splits);
-  splits = ceil_div(num_chunks, per);
 
-  const int x_rows = ceil_div(p.m, 64) * 64;
+  const int box_rows = std::min(ceil_div(p.m, 64) * 64, L::kRows);
   const uint64_t x_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.m)};
   const uint64_t x_strides[1] = {static_cast<uint64_t>(p.x_stride) * 2};
-  const uint32_t x_box[2] = {kBK, static_cast<uint32_t>(x_rows)};
+  const uint32_t x_box[2] = {kBK, static_cast<uint32_t>(box_rows)};
   const uint64_t w_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n)};
   const uint64_t w_strides[1] = {static_cast<uint64_t>(p.k) * 2};
   const uint32_t w_box[2] = {kBK, kBN};
   const CUtensorMap x_map = make_tensor_map(p.x, p.dtype, 2, x_sizes, x_strides, x_box);
   const CUtensorMap w_map = make_tensor_map(p.w, p.dtype, 2, w_sizes, w_strides, w_box);
 
-  launch_kernel_in_clusters(kernel, dim3(tiles, splits), dim3(kThreads), dim3(1, splits),
-                            L::kSmemBytes, stream, "gemm_wgmma", x_map, w_map,
-                            static_cast<T*>(p.y), p.m, p.n, per, num_chunks, p.accumulate);
+  launch_kernel_in_clusters(gemm_wgmma_kernel<T, BLOCKS_PER_WG>,
+                            dim3(tiles, splits, ceil_div(p.m, L::kRows)), dim3(kThreads),
+                            dim3(1, splits, 1), L::kSmemBytes, stream, "gemm_wgmma", x_map,
+                            w_map, static_cast<T*>(p.y), p.m, p.n, per, num_chunks,
+                            p.accumulate);
 }
 
 template <typename T>
-void dispatch_rows(const GemvParams& p, cudaStream_t stream) {
-  if (p.m <= 64 * kConsumers) {
-    launch<T, 1>(p, stream);
+void dispatch(const GemvParams& p, cudaStream_t stream) {
+  // Both layouts take the same shared memory: the same clusters fit at once.
+  static_assert(Layout<1>::kSmemBytes == Layout<2>::kSmemBytes);
+  const Plan plan = choose_plan(prepared_kernel<T, 1>(), Layout<1>::kSmemBytes, p.m,
+                                p.n / kBN, p.k / kBK, p.rows_per_cta, p.splits);
+  if (plan.rows == 128) {
+    launch<T, 1>(p, plan.splits, stream);
   } else {
-    launch<T, 2>(p, stream);
+    launch<T, 2>(p, plan.splits, stream);
   }
 }
 
@@ -363,10 +427,13 @@ void gemm_wgmma(const GemvParams& p, cudaStream_t stream) {
   if (p.splits < 0 || p.splits > kMaxSplits) {
     throw std::invalid_argument("gemm_wgmma: splits must be 0 (the kernel's choice) to 16");
   }
+  if (p.rows_per_cta != 0 && p.rows_per_cta != 128 && p.rows_per_cta != 256) {
+    throw std::invalid_argument("gemm_wgmma: rows_per_cta must be 0 (the kernel's choice), 128 or 256");
+  }
   if (p.dtype == DType::kBFloat16) {
-    dispatch_rows<__nv_bfloat16>(p, stream);
+    dispatch<__nv_bfloat16>(p, stream);
   } else if (p.dtype == DType::kFloat16) {
-    dispatch_rows<__half>(p, stream);
+    dispatch<__half>(p, stream);
   } else {
     throw std::invalid_argument("gemm_wgmma: dtype must be float16 or bfloat16");
   }

@@ -38,6 +38,8 @@ struct GemvParams {
   int splits = 0;
   // y += x @ w^T instead of y = x @ w^T (y read, the sum rounded once).
   bool accumulate = false;
+  // gemm_wgmma only: rows of x per CTA, 128 or 256; 0: the kernel's choice.
+  int rows_per_cta = 0;
 };
 
 void gemv(const GemvParams& p, cudaStream_t stream);
@@ -46,8 +48,9 @@ void gemv(const GemvParams& p, cudaStream_t stream);
 // decode steps of 17 to 256 sequences. Takes GemvParams with 1 <= m <=
 // kGemmMaxRows, n a multiple of 128, k a multiple of 64, x_stride a multiple
 // of 8; `splits` is the number of CTAs of a cluster that share a tile of 128
-// outputs, each summing a slice of k (1 to 16; 0: the kernel's choice, at
-// most kGemmDefaultMaxSplits).
+// outputs, each summing a slice of k (1 to 16), and `rows_per_cta` the rows
+// of x a CTA takes (128 or 256); 0 for either: the kernel's choice
+// (choose_plan, at most kGemmDefaultMaxSplits splits).
 constexpr int kGemmMaxRows = 256;
 constexpr int kGemmDefaultMaxSplits = 8;
 bool wgmma_gemm_supported();  // an sm_90 GPU, and the module built for sm_90a

@@ -29,6 +29,7 @@ GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv_params.h
 GEMV_SPLITS = (0, 1, 2, 4, 8, 16)  # 0: the kernel picks
 GEMM_MAX_ROWS = 256  # kGemmMaxRows in csrc/gemv_params.h
 GEMM_MAX_SPLITS = 16  # the largest thread-block cluster of sm_90
+GEMM_ROWS_PER_CTA = (0, 128, 256)  # 0: the kernel picks
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -147,10 +148,10 @@ def gemm_wgmma_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-               splits: int = 0, accumulate: bool = False) -> torch.Tensor:
+               splits: int = 0, accumulate: bool = False, rows_per_cta: int = 0) -> torch.Tensor:
     """`x @ weight.T` for 1 to 256 rows on Hopper (TMA + wgmma): decode steps of 17 to 256.
 
-    A CTA computes 128 outputs for every row, so the weight is read once;
+    A CTA computes 128 outputs for 128 rows (or for all 256 in one CTA);
     the CTAs of a cluster split K and add their partial sums in a fixed
     order, and each output is rounded once (`csrc/gemm_wgmma.cu`). Needs an
     sm_90 GPU and a module built for sm_90a (`gemm_wgmma_usable`). Like
@@ -165,6 +166,8 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         splits: CTAs of a cluster that share a tile of 128 outputs, each
             summing a slice of K (1 to 16); 0 lets the kernel choose (at most 8).
         accumulate: `out += x @ weight.T`, the sum rounded once; `out` is then required.
+        rows_per_cta: rows of x a CTA takes, 128 or 256; 0 lets the kernel
+            choose (with `splits`, for tests and tuning).
 
     Returns:
         `out`, or a new [rows, N] tensor.
@@ -175,6 +178,8 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
     """
     if not 0 <= splits <= GEMM_MAX_SPLITS:
         raise ValueError(f"splits must be 0 to {GEMM_MAX_SPLITS}, got {splits}")
+    if rows_per_cta not in GEMM_ROWS_PER_CTA:
+        raise ValueError(f"rows_per_cta must be one of {GEMM_ROWS_PER_CTA}, got {rows_per_cta}")
     out, device = _check_product(x, weight, out, accumulate, max_rows=GEMM_MAX_ROWS,
                                  k_multiple=64, n_multiple=128, kernel="gemm_wgmma")
     if _wgmma_tiles_limit(device) == 0:
@@ -183,7 +188,8 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
     rows, k = x.shape
     extension().gemm_wgmma(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows,
                            weight.shape[0], k, x.stride(0), dtype_code(x.dtype),
-                           torch.cuda.current_stream(device).cuda_stream, splits, accumulate)
+                           torch.cuda.current_stream(device).cuda_stream, splits, accumulate,
+                           rows_per_cta)
     return out
 
 

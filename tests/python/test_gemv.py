@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -354,6 +356,8 @@ def test_gemm_wgmma_rejects_bad_arguments():
         gemm_wgmma(x, torch.randn(200, 128, dtype=bf16))
     with pytest.raises(ValueError, match="splits"):
         gemm_wgmma(x, w, splits=17)
+    with pytest.raises(ValueError, match="rows_per_cta"):
+        gemm_wgmma(x, w, rows_per_cta=64)
     with pytest.raises(ValueError, match="accumulate=True adds into out"):
         gemm_wgmma(x, w, accumulate=True)
     assert not gemm_wgmma_usable(x, w)  # on the CPU
@@ -377,6 +381,18 @@ def test_gemm_wgmma_every_split(k, n, splits):
     do not divide it evenly, and more CTAs asked for than slices of 64."""
     _check_shape(k, n, torch.bfloat16, [3, 17, 64, 130, 256], splits=splits,
                  product=gemm_wgmma)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_cta", [128, 256])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("k, n", [(1024, 4096), (3072, 1024), (2048, 1024)])
+def test_gemm_wgmma_every_plan(k, n, splits, rows_per_cta):
+    """Both tilings of the rows, whatever the plan would pick: a grid of 128-row
+    tiles (the last one partial) or all rows in one CTA, with and without a split of K."""
+    _check_shape(k, n, torch.bfloat16, [3, 64, 100, 128, 129, 200, 256], splits=splits,
+                 product=functools.partial(gemm_wgmma, rows_per_cta=rows_per_cta))
 
 
 @needs_wgmma
