@@ -9,23 +9,25 @@
 // model uses it where it measured faster than cuBLAS (`gemm_wgmma_pays`:
 // the 1,024-wide o_proj and down_proj at up to 64 rows, chapter 9):
 //
-//   - A CTA computes a tile of 128 output features for *all* M rows, so W is
-//     read from HBM exactly once; x (at most 256 x K, a few hundred KB) is
-//     read by every tile of outputs, from L2.
-//   - K is split among the CTAs of a thread-block cluster: as many CTAs per
-//     tile as keep every cluster of the grid running at once (at most 8; a
+//   - A CTA computes a tile of 128 output features by 128 rows of x (a grid
+//     over the blocks of 128 rows), or by all 256 rows in one CTA; W is read
+//     from HBM once and again from L2 by the second block of rows, x by
+//     every tile of outputs, from L2.
+//   - K is split among the CTAs of a thread-block cluster (at most 8; a
 //     cluster's CTAs must share a GPC, so only 30 clusters of 4 fit on an
 //     H200, not 33). The cluster adds its partial tiles through distributed
-//     shared memory, in a fixed order, and each output is rounded once.
+//     shared memory, in a fixed order, and each output is rounded once. The
+//     host picks the rows per CTA and the split by a rough count of cycles
+//     (plan_cycles).
 //   - One thread of a producer warpgroup copies 64-wide slices of K of W and
-//     of x into a ring of shared-memory stages with the TMA (the 128-byte
+//     of x into a ring of six (or four) stages with the TMA (the 128-byte
 //     swizzle), counting their bytes on the stage's mbarrier. Its first W
 //     tiles are issued before the wait of programmatic launch: they overlap
 //     the kernel before (weights are never written by a step).
 //   - Two consumer warpgroups multiply each stage with wgmma (m64n128k16,
 //     both operands read from shared memory) into float32 registers, each
-//     taking every other block of 64 rows of x, and hand the stage back on
-//     its "empty" mbarrier.
+//     taking every other block of 64 rows of x, and hand a stage back on its
+//     "empty" mbarrier once the products of the next one are under way.
 #include <algorithm>
 #include <string>
 
@@ -306,8 +308,10 @@ struct Plan {
 // rows of x (at about 64 bytes a cycle from L2) while its tensor cores take
 // 256 cycles per 64 rows it multiplies (its consumers multiply every block,
 // filled or not); a split adds the sum of the partial tiles through
-// distributed shared memory. The constants come from sweeping every plan on
-// an H200 (benchmarks/kernels.py --tables gemm_plans).
+// distributed shared memory. The constants are set by hand against a sweep
+// of every plan on an H200 (benchmarks/kernels.py --tables gemm_plans): at
+// Qwen3-0.6B's shapes the plan they pick is the sweep's fastest or within
+// 0.8 us of it.
 double plan_cycles(const Plan& plan, int m, int tiles, int num_chunks, int clusters_at_once) {
   const int m_tiles = ceil_div(m, plan.rows);
   const int waves = ceil_div(tiles * m_tiles, std::max(clusters_at_once, 1));
