@@ -99,8 +99,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
 # --8<-- [start:gemm_wgmma_usable]
 @functools.lru_cache(maxsize=8)
 def _wgmma_tiles_limit(device: torch.device) -> int:
-    """Tiles of 128 outputs `gemm_wgmma` takes on `device`: one wave of its CTAs
-    (0 when it cannot run there: no sm_90 GPU, or a module built without sm_90a)."""
+    """Tiles of 128 outputs `gemm_wgmma` takes on `device`: one per SM (0 when it
+    cannot run there: no sm_90 GPU, or a module built without sm_90a)."""
     module = _import_extension()[0]
     if module is None:
         return 0
@@ -109,12 +109,13 @@ def _wgmma_tiles_limit(device: torch.device) -> int:
 
 
 def gemm_wgmma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemm_wgmma(x, weight)` can run and fills the GPU in one wave.
+    """Whether `gemm_wgmma(x, weight)` can run, on at most one tile of outputs per SM.
 
     True on an H100/H200 (with the module built for sm_90a) for `x [rows, K]`
     with 1 <= rows <= GEMM_MAX_ROWS and `weight [N, K]` with N a multiple of
-    128, at most 128 x the SM count (one CTA per tile of 128 outputs: the
-    lm_head's 151,936 rows are a GEMM of many waves, cuBLAS's ground), and
+    128, at most 128 x the SM count (one tile of 128 outputs per SM, times the
+    blocks of 128 rows: the lm_head's 151,936 rows are a GEMM of many waves,
+    cuBLAS's ground), and
     K a multiple of 64; the layout rules are `gemv_usable`'s. Attribute reads
     and one cached lookup: cheap enough to ask on every forward.
     """
