@@ -94,28 +94,31 @@ void register_layer_ops(py::module_& m) {
       py::arg("stream"), py::arg("residual") = 0, py::arg("hidden") = 0,
       py::arg("residual_eps") = 1e-6f);
 
+  m.def("sample_chunk", [] { return kSampleChunk; },
+        "Tokens per chunk of sample_tokens' first level.");
   m.def(
       "sample_tokens",
       [](std::uintptr_t out, std::uintptr_t partials, std::uintptr_t logits,
          std::uintptr_t inv_temperature, std::uintptr_t seeds, int num_rows, int vocab,
-         int num_splits, int64_t row_stride, int dtype, std::uintptr_t stream) {
+         int num_chunks, int64_t row_stride, int dtype, std::uintptr_t stream) {
         SampleParams p;
         p.out = as_ptr<int64_t>(out);
-        p.partials = as_ptr<uint64_t>(partials);
+        p.partials = as_ptr<float>(partials);
         p.logits = as_ptr<const void>(logits);
         p.inv_temperature = as_ptr<const float>(inv_temperature);
         p.seeds = as_ptr<const int64_t>(seeds);
         p.num_rows = num_rows;
         p.vocab = vocab;
-        p.num_splits = num_splits;
+        p.num_chunks = num_chunks;
         p.row_stride = row_stride;
         p.dtype = as_dtype(dtype);
         sample_tokens(p, as_stream(stream));
       },
-      "out[r] = a sample of softmax(logits[r] * inv_temperature[r]) by Gumbel-max "
-      "(argmax when inv_temperature[r] == 0), noise keyed by seeds[r].",
+      "out[r] = a sample of softmax(logits[r] * inv_temperature[r]) by a two-level "
+      "Gumbel-max race (argmax when inv_temperature[r] == 0), noise keyed by seeds[r]; "
+      "partials: [num_rows, num_chunks] float32, num_chunks = ceil(vocab / sample_chunk()).",
       py::arg("out"), py::arg("partials"), py::arg("logits"), py::arg("inv_temperature"),
-      py::arg("seeds"), py::arg("num_rows"), py::arg("vocab"), py::arg("num_splits"),
+      py::arg("seeds"), py::arg("num_rows"), py::arg("vocab"), py::arg("num_chunks"),
       py::arg("row_stride"), py::arg("dtype"), py::arg("stream"));
 }
 

@@ -81,22 +81,26 @@ struct SiluAndMulParams {
   DType dtype = DType::kBFloat16;
 };
 
-// One token per row of softmax(logits[r] * inv_temperature[r]) by Gumbel-max
-// (csrc/sampling_kernels.cu); inv_temperature[r] == 0 makes row r greedy.
+// One token per row of softmax(logits[r] * inv_temperature[r]) by a two-level
+// Gumbel-max race (csrc/sampling_kernels.cu); inv_temperature[r] == 0 makes row
+// r greedy.
 //   logits           [num_rows, vocab] row stride row_stride; -inf = excluded
 //   inv_temperature  [num_rows] float32
 //   seeds            [num_rows, 2] int64: the row's noise key and counter
-//   partials         [num_rows, num_splits] uint64 workspace
+//   partials         [num_rows, num_chunks] float32 workspace, num_chunks =
+//                    ceil(vocab / kSampleChunk): each chunk's log-sum-exp of
+//                    logits * inv_temperature (its maximum for a greedy row)
 //   out              [num_rows] int64
+constexpr int kSampleChunk = 4096;
 struct SampleParams {
   int64_t* out = nullptr;
-  uint64_t* partials = nullptr;
+  float* partials = nullptr;
   const void* logits = nullptr;
   const float* inv_temperature = nullptr;
   const int64_t* seeds = nullptr;
   int num_rows = 0;
   int vocab = 0;
-  int num_splits = 1;
+  int num_chunks = 1;
   int64_t row_stride = 0;
   DType dtype = DType::kBFloat16;
 };

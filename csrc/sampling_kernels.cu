@@ -1,4 +1,4 @@
-// Fused sampling: one token per row of logits in a single pass (phase 9).
+// Fused sampling: one token per row of logits, reading them once (phase 9).
 //
 // The torch sampler draws a token as argmax_i p_i / E_i with E_i ~ Exp(1):
 // a float32 copy of the logits, a division by the temperature, a softmax,
@@ -8,13 +8,15 @@
 //
 //   argmax_i p_i / E_i  =  argmax_i (logit_i / T - log E_i),   -log E_i ~ Gumbel(0, 1)
 //
-// so one kernel reads the logits once, in the model's dtype, and writes one
-// int64 per row. The noise is counter-based (Philox4x32-10): element i of a
-// row is a pure function of (the row's key, the row's counter, i), so a
-// seeded request gets the same token whatever else is in the batch, and
-// nothing is stored between steps.
+// Done over the whole row, that is a random number per token: compute-bound.
+// Done in two levels (below), it reads the logits once in the model's dtype
+// and draws noise for one chunk of each row: memory-bound. The noise is
+// counter-based (Philox4x32-10): each random word is a pure function of (the
+// row's key, the row's counter, its index), so a seeded request gets the same
+// token whatever else is in the batch, and nothing is stored between steps.
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 #include "common.cuh"
 #include "layer_params.h"
@@ -22,6 +24,11 @@
 
 namespace mini_vllm {
 namespace {
+
+// The Philox counter's last word tells the two races' noise apart.
+constexpr uint32_t kChunkTag = 0x63686e6bu;  // "chnk": the race among a row's chunks
+constexpr uint32_t kTokenTag = 0x6d696e69u;  // "mini": the race among a chunk's tokens
+constexpr int kSampleThreads = 256;          // per block of both kernels
 
 // --8<-- [start:philox]
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
@@ -57,10 +64,6 @@ __device__ __forceinline__ float gumbel(float w) {
   const float e = -log1pf(-w);  // > 0 for every w >= 2^-33
   return -__logf(e);            // any tiny relative error here is harmless
 }
-// A cheap upper bound: E = -log(1 - w) >= w, so G <= -log(w). An element whose
-// bound cannot beat the best score so far needs neither accurate logarithm;
-// after the first few elements of a thread's slice that is almost all of them.
-__device__ __forceinline__ float gumbel_bound(float w) { return -__logf(w); }
 // --8<-- [end:philox]
 
 // A (value, index) pair as one orderable 64-bit key: larger value first, then
@@ -78,14 +81,118 @@ __device__ __forceinline__ float load_float(const __nv_bfloat16* p) {
 }
 
 // --8<-- [start:sample]
-// Grid (num_rows, num_splits): block (r, s) scans a 1/num_splits slice of row
-// r, four elements (one Philox call) per thread at a time, and writes its best
-// packed (value, index) to partials[r, s]. Greedy rows (inv_temperature 0)
-// take the logits as they are: the same kernel is their argmax.
+// Two levels of one race. Split a row into chunks of kSampleChunk tokens. The
+// largest of a chunk's scores s_i + G_i is itself Gumbel-distributed, around
+// the chunk's log-sum-exp: max_i (s_i + G_i) ~ logsumexp_i(s_i) + G. So
+//   1. sample_chunk_kernel, grid (rows, chunks): each block reads its chunk
+//      once and writes one float, the chunk's log-sum-exp of s_i = logit_i / T
+//      (its maximum for a greedy row): memory-bound, no random numbers;
+//   2. sample_pick_kernel, a block per row: a Gumbel race among the chunks'
+//      values picks a chunk, with probability sum(exp(s) in it) / sum(exp(s));
+//      a second race among that chunk's tokens, with noise of its own, picks
+//      the token, with probability exp(s_i) / sum(exp(s) in the chunk).
+// The product is exp(s_i) / sum(exp(s)): exactly softmax(logits / T). Only
+// one chunk of each row needs a random number per token, so the noise costs
+// about 1/37 of what a race over the whole vocabulary would, at Qwen3's 151,936.
 template <typename T, int NT>
-__global__ void __launch_bounds__(NT) sample_partial_kernel(const SampleParams p) {
-  const int row = blockIdx.x, split = blockIdx.y;
+__global__ void __launch_bounds__(NT) sample_chunk_kernel(const SampleParams p) {
+  constexpr int kPerThread = kSampleChunk / NT;
+  const int row = blockIdx.x, chunk = blockIdx.y;
   pdl_launch_dependents();  // launched with PDL (pdl.cuh): the logits come from before
+  pdl_wait();
+  const T* x = static_cast<const T*>(p.logits) + row * p.row_stride;
+  const float inv_t = p.inv_temperature[row];
+  const bool greedy = inv_t == 0.0f;
+  const int first = chunk * kSampleChunk + threadIdx.x;
+  float s[kPerThread];
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {  // all the loads first, then the arithmetic
+    const int i = first + j * NT;
+    s[j] = i < p.vocab ? load_float(x + i) : -INFINITY;
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    // NaN and -inf (filtered out) are never drawn: both become -inf.
+    s[j] = s[j] > -INFINITY ? (greedy ? s[j] : s[j] * inv_t) : -INFINITY;
+    m = fmaxf(m, s[j]);
+  }
+  __shared__ float scratch[32];
+  const float chunk_max = block_max(m, scratch);
+  float value = chunk_max;
+  if (!greedy && isfinite(chunk_max)) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) sum += __expf(s[j] - chunk_max);  // exp(-inf) = 0
+    value = chunk_max + __logf(block_sum(sum, scratch));  // the sum is at least 1
+  }
+  if (threadIdx.x == 0) p.partials[static_cast<int64_t>(row) * p.num_chunks + chunk] = value;
+}
+
+// The best packed (value, index) over the block; every thread gets it.
+__device__ __forceinline__ uint64_t block_max_packed(uint64_t best, uint64_t* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, best, off);
+    best = other > best ? other : best;
+  }
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = best;
+  __syncthreads();
+  best = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    best = scratch[w] > best ? scratch[w] : best;
+  }
+  return best;
+}
+
+// The noise of one race: this thread's groups of 4 candidates, group g =
+// threadIdx.x + k * NT, drawn from the Philox call for counter (g, the row's
+// counter, tag). Greedy rows race without noise.
+template <int G, int NT>
+__device__ __forceinline__ void race_noise(uint4 (&r)[G], uint32_t tag, bool greedy,
+                                           uint64_t ctr, uint32_t k0, uint32_t k1) {
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    r[k] = greedy ? make_uint4(0, 0, 0, 0)
+                  : philox4x32(make_uint4(threadIdx.x + k * NT, static_cast<uint32_t>(ctr),
+                                          static_cast<uint32_t>(ctr >> 32), tag),
+                               k0, k1);
+  }
+}
+
+// One Gumbel race: candidate c = 4 * g + j (g as above) scores v * scale + its
+// noise, where v = values[k][j]; -inf and NaN never win. Returns the winner's
+// packed (score, c) on every thread, 0 when no candidate can win.
+template <int G, int NT>
+__device__ __forceinline__ uint64_t race(const float (&values)[G][4], const uint4 (&r)[G],
+                                         bool greedy, float scale, uint64_t* scratch) {
+  uint64_t best = 0;
+#pragma unroll
+  for (int k = 0; k < G; ++k) {
+    const uint32_t bits[4] = {r[k].x, r[k].y, r[k].z, r[k].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = values[k][j];
+      if (!(v > -INFINITY)) continue;
+      if (!greedy) v = fmaf(v, scale, gumbel(uniform(bits[j])));
+      const uint64_t key = pack(v, static_cast<uint32_t>(4 * (threadIdx.x + k * NT) + j));
+      best = key > best ? key : best;
+    }
+  }
+  return block_max_packed(best, scratch);
+}
+
+__device__ __forceinline__ uint32_t unpack_index(uint64_t k) {
+  return 0xffffffffu - static_cast<uint32_t>(k);
+}
+
+// Up to 4 * NT chunks a row (a vocabulary of 4,194,304 tokens with NT = 256).
+template <typename T, int NT>
+__global__ void __launch_bounds__(NT) sample_pick_kernel(const SampleParams p) {
+  constexpr int kGroups = kSampleChunk / 4 / NT;  // the token race's groups per thread
+  const int row = blockIdx.x;
+  pdl_launch_dependents();  // launched with PDL: the chunks' values come from the kernel before
   pdl_wait();
   const T* x = static_cast<const T*>(p.logits) + row * p.row_stride;
   const float inv_t = p.inv_temperature[row];
@@ -93,91 +200,69 @@ __global__ void __launch_bounds__(NT) sample_partial_kernel(const SampleParams p
   const uint64_t key = static_cast<uint64_t>(p.seeds[2 * row]);
   const uint64_t ctr = static_cast<uint64_t>(p.seeds[2 * row + 1]);
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  __shared__ uint64_t scratch[NT / 32];
 
-  const int groups = (p.vocab + 3) / 4;                  // four elements per Philox call
-  const int per_split = (groups + p.num_splits - 1) / p.num_splits;
-  const int g_end = min(groups, (split + 1) * per_split);
-  uint64_t best = 0;
-  float best_value = -INFINITY;
-  for (int g = split * per_split + threadIdx.x; g < g_end; g += NT) {
-    uint4 r = make_uint4(0, 0, 0, 0);
-    if (!greedy) {
-      r = philox4x32(make_uint4(static_cast<uint32_t>(g), static_cast<uint32_t>(ctr),
-                                static_cast<uint32_t>(ctr >> 32), 0x6d696e69u),  // "mini"
-                     k0, k1);
-    }
-    const uint32_t bits[4] = {r.x, r.y, r.z, r.w};
+  float chunk_values[1][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int c = 4 * threadIdx.x + j;
+    chunk_values[0][j] = c < p.num_chunks ? p.partials[static_cast<int64_t>(row) * p.num_chunks + c] : -INFINITY;
+  }
+  // Both races' noise while those loads are on their way. The token race's
+  // noise is keyed by the position within the chunk: only one chunk races.
+  uint4 chunk_noise[1], token_noise[kGroups];
+  race_noise<1, NT>(chunk_noise, kChunkTag, greedy, ctr, k0, k1);
+  race_noise<kGroups, NT>(token_noise, kTokenTag, greedy, ctr, k0, k1);
+
+  // The chunk: its values are already divided by T.
+  const uint64_t chunk_best = race<1, NT>(chunk_values, chunk_noise, greedy, 1.0f, scratch);
+  if (chunk_best == 0) {  // every logit -inf: token 0, as argmax would
+    if (threadIdx.x == 0) p.out[row] = 0;
+    return;
+  }
+  // The token within it.
+  const int begin = static_cast<int>(unpack_index(chunk_best)) * kSampleChunk;
+  const int n = min(kSampleChunk, p.vocab - begin);
+  float logits[kGroups][4];
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int i = 4 * g + j;
-      if (i >= p.vocab) break;
-      const float l = load_float(x + i);
-      if (!(l > -INFINITY)) continue;  // filtered out (-inf) or NaN: never drawn
-      float v = l;
-      if (!greedy) {
-        const float w = uniform(bits[j]);
-        // Indices only grow within a thread: an equal score would lose the tie.
-        // The slack covers the fast logarithm's rounding.
-        if (fmaf(l, inv_t, gumbel_bound(w)) + 1e-3f <= best_value) continue;
-        v = fmaf(l, inv_t, gumbel(w));
-      }
-      const uint64_t k = pack(v, static_cast<uint32_t>(i));
-      if (k > best) best = k, best_value = v;
+      const int c = 4 * (threadIdx.x + k * NT) + j;
+      logits[k][j] = c < n ? load_float(x + begin + c) : -INFINITY;
     }
   }
-  // Block maximum: warp shuffles, then one value per warp through shared memory.
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, best, off);
-    best = other > best ? other : best;
-  }
-  __shared__ uint64_t warp_best[NT / 32];
-  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < NT / 32; ++w) best = warp_best[w] > best ? warp_best[w] : best;
-    p.partials[static_cast<int64_t>(row) * p.num_splits + split] = best;
-  }
-}
-
-// One warp per row: the maximum of the row's partials, unpacked to a token id.
-__global__ void sample_final_kernel(const SampleParams p) {
-  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  pdl_launch_dependents();  // launched with PDL: the partials come from the kernel before
-  pdl_wait();
-  if (row >= p.num_rows) return;
-  const int lane = threadIdx.x % 32;
-  uint64_t best = 0;
-  for (int s = lane; s < p.num_splits; s += 32) {
-    const uint64_t k = p.partials[static_cast<int64_t>(row) * p.num_splits + s];
-    best = k > best ? k : best;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, best, off);
-    best = other > best ? other : best;
-  }
-  // A row with nothing to draw (every logit -inf) gets token 0, as argmax would.
-  if (lane == 0) p.out[row] = best == 0 ? 0 : 0xffffffffu - static_cast<uint32_t>(best);
+  const uint64_t best = race<kGroups, NT>(logits, token_noise, greedy, inv_t, scratch);
+  // A chunk that won holds a token that is not -inf, so best != 0.
+  if (threadIdx.x == 0) p.out[row] = begin + unpack_index(best);
 }
 // --8<-- [end:sample]
 
 template <typename T>
 void launch_sample(const SampleParams& p, cudaStream_t stream) {
-  constexpr int NT = 256;
-  // Rows on x (up to 2^31 - 1 of them), splits on y (at most a few hundred).
-  launch_kernel(sample_partial_kernel<T, NT>, dim3(p.num_rows, p.num_splits), dim3(NT), 0,
-                stream, "sample_tokens (partial)", p);
-  constexpr int kRowsPerBlock = 8;
-  launch_kernel(sample_final_kernel, dim3(ceil_div(p.num_rows, kRowsPerBlock)),
-                dim3(32 * kRowsPerBlock), 0, stream, "sample_tokens (final)", p);
+  constexpr int NT = kSampleThreads;
+  static_assert(kSampleChunk % NT == 0 && kSampleChunk % 4 == 0);
+  // Rows on x (up to 2^31 - 1 of them), chunks on y (38 at Qwen3's vocabulary).
+  launch_kernel(sample_chunk_kernel<T, NT>, dim3(p.num_rows, p.num_chunks), dim3(NT), 0,
+                stream, "sample_tokens (chunks)", p);
+  launch_kernel(sample_pick_kernel<T, NT>, dim3(p.num_rows), dim3(NT), 0, stream,
+                "sample_tokens (pick)", p);
 }
 
 }  // namespace
 
 void sample_tokens(const SampleParams& p, cudaStream_t stream) {
   if (p.num_rows == 0) return;
-  if (p.num_splits < 1 || p.vocab < 1) throw std::invalid_argument("sample_tokens: empty rows");
+  if (p.vocab < 1) throw std::invalid_argument("sample_tokens: empty rows");
+  if (p.num_chunks != (p.vocab + kSampleChunk - 1) / kSampleChunk) {
+    throw std::invalid_argument("sample_tokens: num_chunks must be ceil(vocab / " +
+                                std::to_string(kSampleChunk) + ")");
+  }
+  if (p.num_chunks > 4 * kSampleThreads) {
+    throw std::invalid_argument("sample_tokens: a vocabulary of at most " +
+                                std::to_string(4 * kSampleThreads * kSampleChunk) +
+                                " tokens");
+  }
   switch (p.dtype) {
     case DType::kBFloat16: return launch_sample<__nv_bfloat16>(p, stream);
     case DType::kFloat16: return launch_sample<__half>(p, stream);

@@ -463,32 +463,110 @@ def test_sample_tokens_rejects_bad_arguments():
         sample_tokens(logits, inv_t.double(), seeds)
     with pytest.raises(ValueError, match="dense"):
         sample_tokens(torch.randn(8, 2).t(), inv_t, seeds)
+    huge = torch.empty(2, 1024 * 4096 + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="vocabulary of 4194305 tokens"):
+        sample_tokens(huge, inv_t, seeds)
+
+
+def _assert_shares_follow(freq: torch.Tensor, p: torch.Tensor, n: int, top: int) -> None:
+    """Each chunk's share of `n` draws, and each of the `top` likeliest tokens', is
+    within 5 sigma of its probability under `p` (the chunks of the sampling kernel)."""
+    from mini_vllm.ops.sampling import SAMPLE_CHUNK
+
+    chunks = [slice(c, c + SAMPLE_CHUNK) for c in range(0, len(p), SAMPLE_CHUNK)]
+    tokens = [slice(int(i), int(i) + 1) for i in p.argsort(descending=True)[:top]]
+    for g in chunks + tokens:
+        q, f = p[g].sum(), freq[g].sum()
+        assert abs(f - q) <= 5 * (q * (1 - q) / n).sqrt() + 1e-6, (g, f, q)
+
+
+def test_sample_reference_follows_softmax_across_chunks():
+    """The reference's two races draw softmax(logits / T): per chunk and per likely token."""
+    from mini_vllm.ops.sampling import SAMPLE_CHUNK, sample_ref
+
+    torch.manual_seed(0)
+    vocab, n, temperature = 2 * SAMPLE_CHUNK + 8, 3000, 0.7
+    logits = torch.randn(vocab) * 2
+    logits[SAMPLE_CHUNK + 10: SAMPLE_CHUNK + 14] += 6  # most of the mass in chunk 1
+    logits[-3:] += 7  # and a share in the short last chunk
+    seeds = torch.stack([torch.full((n,), 12345, dtype=torch.int64), torch.arange(n)], 1)
+    tokens, _ = sample_ref(logits.expand(n, vocab), torch.full((n,), 1 / temperature), seeds)
+    p = (logits.double() / temperature).softmax(0)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    _assert_shares_follow(freq, p, n, top=6)
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_sample_chunk_matches_the_kernel():
+    from mini_vllm.ops._extension import extension
+    from mini_vllm.ops.sampling import SAMPLE_CHUNK
+
+    assert extension().sample_chunk() == SAMPLE_CHUNK
 
 
 @needs_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("vocab", [1, 7, 1000, 151936])
-def test_sample_tokens_picks_the_reference_argmax(dtype, vocab):
-    """The kernel's token is the argmax of the reference's float64 scores (same Philox words)."""
-    from mini_vllm.ops.sampling import sample_scores_ref
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 4096, 4097, 151936])
+def test_sample_tokens_picks_the_reference_token(dtype, vocab):
+    """The kernel's token is the float64 reference's (same races, same Philox words)."""
+    from mini_vllm.ops.sampling import sample_ref
 
     torch.manual_seed(vocab)
     n = 12
     logits = (torch.randn(n, vocab, device="cuda") * 3).to(dtype)
     logits[1, : vocab // 2] = -float("inf")  # filtered tokens
+    logits[2, ::3] = float("nan")  # never drawn
+    logits[5] = -float("inf")  # nothing to draw: token 0
     inv_t = torch.rand(n, device="cuda") * 2 + 0.2
     inv_t[::4] = 0  # greedy rows
     seeds = _random_seeds(n)
     out = ops.sample_tokens(logits, inv_t, seeds)
-    scores = sample_scores_ref(logits, inv_t, seeds)
-    top2 = scores.topk(min(2, vocab), dim=1).values
-    for r in range(n):
-        if vocab > 1 and top2[r, 0] - top2[r, 1] < 1e-4:
-            continue  # a near tie: float32 rounding may pick either
-        assert out[r].item() == scores[r].argmax().item(), r
-    greedy = inv_t == 0
+    expected, margins = sample_ref(logits, inv_t, seeds)
+    # A near tie in either race of a sampled row: float32 rounding may pick either.
+    # (Greedy rows have exact ties, and both keep the first.)
+    close = (margins < 1e-4) & (inv_t.cpu() != 0)
+    assert close.sum() <= 2
+    assert torch.equal(out.cpu()[~close], expected[~close])
+    assert out[5].item() == 0
+    if vocab > 1:
+        assert torch.isnan(logits[2, out[2]]).logical_not().item()
+    greedy = (inv_t == 0) & ~torch.isnan(logits).any(dim=1)
     assert torch.equal(out[greedy], logits[greedy].float().argmax(dim=1))
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_sample_tokens_greedy_keeps_the_first_maximum_across_chunks():
+    from mini_vllm.ops.sampling import SAMPLE_CHUNK
+
+    logits = torch.zeros(2, 3 * SAMPLE_CHUNK, device="cuda", dtype=torch.bfloat16)
+    logits[:, [SAMPLE_CHUNK + 5, 2 * SAMPLE_CHUNK + 1, SAMPLE_CHUNK + 9]] = 3.0
+    out = ops.sample_tokens(logits, torch.zeros(2, device="cuda"), _random_seeds(2))
+    assert out.tolist() == [SAMPLE_CHUNK + 5] * 2
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_sample_tokens_follows_softmax_across_chunks():
+    """200,000 draws over three chunks: each chunk's share and each likely token's."""
+    from mini_vllm.ops.sampling import SAMPLE_CHUNK
+
+    torch.manual_seed(3)
+    vocab, n, temperature = 2 * SAMPLE_CHUNK + 100, 200_000, 0.6
+    logits = torch.randn(vocab, device="cuda") * 1.5
+    logits[SAMPLE_CHUNK + 7] += 5
+    logits[2 * SAMPLE_CHUNK + 50] += 6  # the short last chunk
+    logits[100:110] = -float("inf")
+    seeds = _random_seeds(1).expand(n, 2).clone()
+    seeds[:, 1] = torch.arange(n, device="cuda")
+    tokens = ops.sample_tokens(logits.bfloat16().expand(n, vocab),
+                               torch.full((n,), 1 / temperature, device="cuda"), seeds)
+    p = (logits.bfloat16().double() / temperature).softmax(0).cpu()
+    freq = torch.bincount(tokens, minlength=vocab).double().cpu() / n
+    assert freq[100:110].sum() == 0
+    _assert_shares_follow(freq, p, n, top=20)
 
 
 @needs_kernels
