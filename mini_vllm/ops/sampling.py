@@ -76,7 +76,8 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor,
         `[N]` int64 token ids.
 
     Raises:
-        ValueError: on a wrong dtype, shape, layout or device.
+        ValueError: on a wrong dtype, shape, layout or device, or a vocabulary
+            above `SAMPLE_MAX_CHUNKS * SAMPLE_CHUNK` tokens.
     """
     check_tensor("logits", logits, ndim=2, dtypes=SAMPLE_DTYPES, contiguous=False)
     check_tensor("inv_temperature", inv_temperature, ndim=1, dtypes=(torch.float32,))
