@@ -307,8 +307,14 @@ def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
 # --8<-- [end:floor]
 
 
-def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int) -> list[float]:
-    """Seconds per call of `fn`, each call timed on its own (CUDA events on a GPU)."""
+def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int,
+               queued: bool = False) -> list[float]:
+    """Seconds per call of `fn`, each call timed on its own (CUDA events on a GPU).
+
+    With `queued`, each call is enqueued behind a spin kernel of about 1 ms, so
+    the host gets ahead and the events bracket only the GPU's work, not the
+    Python that launches it (as when the engine launches it behind a step).
+    """
     import torch
 
     for _ in range(warmup):
@@ -318,6 +324,8 @@ def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int) -> 
         torch.cuda.synchronize(device)
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(2_000_000)  # about 1 ms at an H200's clock
             start.record()
             fn()
             end.record()

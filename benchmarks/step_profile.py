@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import dataclasses
 import gc
 import random
 import statistics
@@ -199,15 +200,14 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
     logits = runner.execute(entries(0), float_logits=False)
     meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
-    result["sampler_gpu_ms"] = _queued_event_ms(lambda: sampler(logits, meta), steps)
+    result["sampler_gpu_ms"] = _event_ms(lambda: sampler(logits, meta), steps, queued=True)
     # Its floor: one read of the logits. Its peer: the torch pipeline on the
     # same rows (what runs when the kernels are not built), float32 logits.
     result["sampler_floor_ms"] = 1e3 * logits.numel() * logits.element_size() / bandwidth
-    float_logits, torch_meta = logits.float(), SamplingMetadata.build(
-        rows, runner.device, runner.vocab_size)
-    torch_meta.noise_seeds = None  # no seeds for the fused kernel: the torch pipeline draws
-    result["sampler_torch_gpu_ms"] = _queued_event_ms(
-        lambda: sampler(float_logits, torch_meta), steps)
+    float_logits = logits.float()
+    torch_meta = dataclasses.replace(meta, noise_seeds=None)  # no seeds: the torch pipeline
+    result["sampler_torch_gpu_ms"] = _event_ms(
+        lambda: sampler(float_logits, torch_meta), steps, queued=True)
     try:
         categories, top = kernel_breakdown(
             lambda: runner.execute_fast(entries(0), use_graph=False), 5)
@@ -233,33 +233,14 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     return result
 
 
-def _event_ms(fn: Any, iters: int) -> float:
-    """Median GPU milliseconds of one call of `fn` (CUDA events, one warm-up call)."""
-    return 1e3 * statistics.median(time_calls(fn, torch.device("cuda"), iters, warmup=1))
+def _event_ms(fn: Any, iters: int, queued: bool = False) -> float:
+    """Median GPU milliseconds of one call of `fn` (CUDA events, one warm-up call).
 
-
-def _queued_event_ms(fn: Any, iters: int) -> float:
-    """Median GPU milliseconds of `fn`'s kernels, queued behind a busy GPU.
-
-    In the engine the sampler is launched while the step's graph still runs,
-    so its host work (argument checks, allocations, launches) is hidden. Timed
-    on an idle GPU, a short kernel would be charged that host time too; here
-    each call is enqueued behind a 1 ms spin kernel, so the events bracket
-    only the GPU's work.
+    `queued`: behind a busy GPU, as the engine launches the sampler (behind the
+    step's graph), so that the Python launching it is not counted.
     """
-    import torch
-
-    fn()  # warm-up
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # about 1 ms at the H200's clock: the host gets ahead
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return 1e3 * statistics.median(
+        time_calls(fn, torch.device("cuda"), iters, warmup=1, queued=queued))
 
 
 def rms_norm_variants(batch: int, hidden: int, heads: int, head_dim: int) -> dict[str, float]:

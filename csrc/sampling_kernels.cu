@@ -202,11 +202,12 @@ __global__ void __launch_bounds__(NT) sample_pick_kernel(const SampleParams p) {
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   __shared__ uint64_t scratch[NT / 32];
 
+  const float* values = p.partials + static_cast<int64_t>(row) * p.num_chunks;
   float chunk_values[1][4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int c = 4 * threadIdx.x + j;
-    chunk_values[0][j] = c < p.num_chunks ? p.partials[static_cast<int64_t>(row) * p.num_chunks + c] : -INFINITY;
+    chunk_values[0][j] = c < p.num_chunks ? values[c] : -INFINITY;
   }
   // Both races' noise while those loads are on their way. The token race's
   // noise is keyed by the position within the chunk: only one chunk races.

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from mini_vllm import ops
-from mini_vllm.ops.sampling import SAMPLE_CHUNK, SAMPLE_MAX_CHUNKS, splitmix64
+from mini_vllm.ops.sampling import kernel_fits, splitmix64
 from mini_vllm.sampling_params import GREEDY_EPSILON, OPENAI_DEFAULTS, SamplingParams
 
 
@@ -279,7 +279,7 @@ class SamplingMetadata:
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
         if (device.type == "cuda" and not (use_top_k or use_top_p or use_min_p)
-                and ops.is_available() and vocab_size <= SAMPLE_MAX_CHUNKS * SAMPLE_CHUNK):
+                and ops.is_available() and kernel_fits(vocab_size)):
             meta.inv_temperature = _to_device(
                 [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
             meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)

@@ -59,6 +59,12 @@ def num_chunks(vocab: int) -> int:
     return -(-vocab // SAMPLE_CHUNK)
 
 
+def kernel_fits(vocab: int) -> bool:
+    """Whether `sample_tokens` takes a vocabulary of this size (at most `SAMPLE_MAX_CHUNKS`
+    chunks); the sampler draws larger ones with the torch pipeline."""
+    return num_chunks(vocab) <= SAMPLE_MAX_CHUNKS
+
+
 # --8<-- [start:sample_tokens]
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor,
                   seeds: torch.Tensor) -> torch.Tensor:
@@ -90,7 +96,7 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor,
                          f"{tuple(seeds.shape)} must be [{n}] and [{n}, 2] for {n} rows")
     if vocab == 0:
         raise ValueError("logits: the vocabulary is empty")
-    if num_chunks(vocab) > SAMPLE_MAX_CHUNKS:
+    if not kernel_fits(vocab):
         raise ValueError(f"logits: a vocabulary of {vocab} tokens is more than the kernel's "
                          f"{SAMPLE_MAX_CHUNKS * SAMPLE_CHUNK}")
     device = check_same_device(logits=logits, inv_temperature=inv_temperature, seeds=seeds)
@@ -189,5 +195,5 @@ def sample_ref(logits: torch.Tensor, inv_temperature: torch.Tensor,
     return torch.from_numpy(tokens), torch.from_numpy(margins)
 
 
-__all__ = ["SAMPLE_CHUNK", "SAMPLE_DTYPES", "SAMPLE_MAX_CHUNKS", "num_chunks", "philox4x32_ref", "sample_ref",
-           "sample_tokens", "splitmix64"]
+__all__ = ["SAMPLE_CHUNK", "SAMPLE_DTYPES", "SAMPLE_MAX_CHUNKS", "kernel_fits", "num_chunks",
+           "philox4x32_ref", "sample_ref", "sample_tokens", "splitmix64"]
