@@ -24,6 +24,8 @@ On a GPU (random Qwen3-0.6B weights, bf16; each backend in its own process):
 
     python benchmarks/latency.py                          # mini-vllm and transformers
     python benchmarks/latency.py --backends mini-vllm --prompt-lens 128 2048 --output-len 256
+    python benchmarks/latency.py --backends mini-vllm --max-piecewise-graph-tokens 0 \
+        --output benchmarks/results/latency_eager_prefill.json   # prefills without graphs
 
 On a CPU (a smoke run of the tiny model):
 
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the longest prompt plus --output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-piecewise-graph-tokens", type=int, default=None,
+                   help="mini-vllm: prefills of up to this many tokens replay piecewise "
+                        "CUDA graphs (0: eager prefills; default: the engine's)")
     p.add_argument("--hf-attn-implementation", default="sdpa",
                    help="transformers' attention implementation")
     p.add_argument("--worker", default=None, choices=BACKENDS, help=argparse.SUPPRESS)
@@ -136,6 +141,8 @@ def mini_vllm_request_fn(model_dir: str, ns: argparse.Namespace) -> tuple[Reques
         "enforce_eager": ns.enforce_eager, "load_format": ns.load_format,
         "enable_prefix_caching": False,  # each run must compute its prompt
     }
+    if ns.max_piecewise_graph_tokens is not None:
+        kwargs["max_piecewise_graph_tokens"] = ns.max_piecewise_graph_tokens
     engine = LLM(model_dir, **kwargs).engine
     counter = itertools.count()
 

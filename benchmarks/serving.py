@@ -23,6 +23,8 @@ On a GPU (random Qwen3-0.6B weights; one command measures our server):
 
     python benchmarks/serving.py --launch --compare-offline
     python benchmarks/serving.py --launch --request-rates 4 inf --num-requests 256
+    python benchmarks/serving.py --launch --request-rates 16 --max-piecewise-graph-tokens 0 \
+        --output benchmarks/results/serving_eager_prefill.json   # prompts without graphs
 
 Against any running OpenAI-compatible server:
 
@@ -118,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=int, default=4096)
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--enforce-eager", action="store_true")
+    eng.add_argument("--max-piecewise-graph-tokens", type=int, default=None,
+                     help="steps with prompts of up to this many tokens replay piecewise "
+                          "CUDA graphs (0: they run eagerly; default: the engine's)")
     eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                      help="the engine core in its own process (default: the server's, "
                           "on with CUDA) or on a thread of the server")
@@ -424,6 +429,8 @@ def _engine_flags(ns: argparse.Namespace) -> list[str]:
         flags += ["--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
     if ns.enforce_eager:
         flags.append("--enforce-eager")
+    if ns.max_piecewise_graph_tokens is not None:
+        flags += ["--max-piecewise-graph-tokens", str(ns.max_piecewise_graph_tokens)]
     if ns.engine_process is not None:
         flags.append("--engine-process" if ns.engine_process else "--no-engine-process")
     return flags

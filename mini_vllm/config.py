@@ -208,6 +208,7 @@ class EngineConfig:
     device: torch.device
     seed: int = 0
     enforce_eager: bool = False
+    max_piecewise_graph_tokens: int = 512
     tokenizer: str | None = None
     served_model_name: str | None = None
     load_format: str = "auto"
@@ -234,6 +235,10 @@ class EngineArgs:
     `engine_process` `None` means the same: for CUDA, `AsyncLLM` (the server)
     runs the engine's step loop in a process of its own, on the CPU in a thread
     of the server's process (phase 9).
+    `max_piecewise_graph_tokens`: a step with prompt tokens and at most this many
+    tokens in all replays piecewise CUDA graphs (the forward between its
+    attentions) instead of launching its kernels one by one; 0 turns them off
+    (phase 9). `enforce_eager` turns off every graph.
     """
 
     model: str | None = None
@@ -251,6 +256,7 @@ class EngineArgs:
     cpu_kv_cache_gb: float = 1.0
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    max_piecewise_graph_tokens: int = 512
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
     load_format: str = "auto"
@@ -274,6 +280,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported")
+        if self.max_piecewise_graph_tokens < 0:
+            raise ValueError("max_piecewise_graph_tokens must be >= 0, "
+                             f"got {self.max_piecewise_graph_tokens}")
         if self.engine_process is not None and not isinstance(self.engine_process, bool):
             raise ValueError(
                 f"engine_process must be True, False or None, got {self.engine_process!r}")
@@ -324,6 +333,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            max_piecewise_graph_tokens=self.max_piecewise_graph_tokens,
             tokenizer=self.tokenizer,
             served_model_name=self.served_model_name,
             load_format=self.load_format,

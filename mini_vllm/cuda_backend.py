@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,9 @@ class CudaAttentionMetadata(AttentionMetadata):
         decode_order: `[num_decodes] int32`, the decodes longest context first
             (`ops.longest_first`): the order in which the decode kernel's
             grid takes them (None: in batch order).
+        split: piecewise CUDA graphs (`cuda_graphs.PiecewiseGraphRunner`): when
+            set, `paged_attention` hands its arguments to it instead of
+            attending, and returns what it returns.
     """
 
     num_decodes: int = 0
@@ -62,7 +66,16 @@ class CudaAttentionMetadata(AttentionMetadata):
     prefill_query_start_loc_cpu: list[int] = field(default_factory=list)
     prefill_context_lens_cpu: list[int] = field(default_factory=list)
     decode_order: torch.Tensor | None = None
+    split: AttentionSplit | None = None
 # --8<-- [end:metadata]
+
+
+class AttentionSplit(Protocol):
+    """Where a piecewise graph's forward leaves the graph to attend (see `split`)."""
+
+    def __call__(self, backend: CudaAttentionBackend, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, scale: float, key: torch.Tensor | None,
+                 value: torch.Tensor | None) -> torch.Tensor: ...
 
 
 # --8<-- [start:torch_fallbacks]
@@ -178,6 +191,8 @@ class CudaAttentionBackend:
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decodes through the decode kernel, the rest through prefill attention."""
+        if isinstance(meta, CudaAttentionMetadata) and meta.split is not None:
+            return meta.split(self, q, k_cache, v_cache, scale, key, value)
         if not isinstance(meta, CudaAttentionMetadata):  # plain metadata: one path for all
             if meta.is_decode_only:
                 return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
@@ -249,6 +264,7 @@ def select_attention_backend(
 
 
 __all__ = [
+    "AttentionSplit",
     "CudaAttentionBackend",
     "CudaAttentionMetadata",
     "decode_attention_torch",

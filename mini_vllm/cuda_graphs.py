@@ -34,11 +34,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mini_vllm.attention import KVCache
-from mini_vllm.cuda_backend import CudaAttentionMetadata
+from mini_vllm.cuda_backend import AttentionSplit, CudaAttentionBackend, CudaAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +161,14 @@ class CudaGraphRunner:
 
     # --8<-- [start:capture]
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up and capture every size and bound, largest first, into one memory pool."""
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """Warm up and capture every size and bound, largest first, into one memory pool.
+
+        Args:
+            pool: a pool to share (`torch.cuda.graph_pool_handle()`); None: a new one.
+        """
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         # Capture on a side stream (as torch.cuda.graph() does, without its
         # per-capture gc.collect()); warm up on it too, so that per-stream
         # library workspaces exist before capture.
@@ -231,5 +236,195 @@ class CudaGraphRunner:
 # --8<-- [end:graph_runner]
 
 
-__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "capture_sizes",
-           "context_bounds"]
+# --8<-- [start:piecewise_sizes]
+def piecewise_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
+    """Token counts to capture piecewise: 16, 32, 64, ... while below `max_tokens`,
+    then `max_tokens` itself; none for 0. A step pads its tokens to the next one."""
+    sizes, size = [], smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_tokens] if max_tokens > 0 else []
+# --8<-- [end:piecewise_sizes]
+
+
+# (input_ids, positions, kv_caches, metadata) -> the last hidden states [T, hidden]
+HiddenFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMetadata],
+                    torch.Tensor]
+
+
+@dataclass
+class _AttentionCall:
+    """An attention between two pieces, as the forward made it at capture.
+
+    `q`, `key` and `value` are views of the QKV projection the piece before
+    wrote (graph memory, kept alive by this record), `size` rows each.
+    """
+
+    backend: CudaAttentionBackend
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+
+
+# --8<-- [start:piecewise_runner]
+class PiecewiseGraphRunner:
+    """Steps with prompt tokens: CUDA graphs between the attentions, attention eagerly.
+
+    A decode graph can hold the whole forward because the decode kernel reads
+    only device tensors. Prefill attention cannot be captured: how it splits
+    the batch into sequences is host data, different every step. Everything
+    else in a layer works row by row (matrix products, norms, RoPE, the KV
+    write), so it depends on the number of tokens alone. So the forward is
+    captured in pieces, one graph from each attention to the next, for a
+    ladder of token counts, and a step runs:
+
+        piece 0        embedding, layer 0 up to its attention    (graph)
+        attention 0    over the step's real metadata              (eager)
+        piece 1        layer 0 after attention, layer 1 up to it  (graph)
+        ...
+        piece L        layer L-1 after attention, the last norm   (graph)
+
+    The forward is split where `CudaAttentionBackend.paged_attention` is
+    called: the metadata of a captured forward carries a `split`, which
+    ends the current capture, records the call, begins the next capture and
+    returns the static `attn_out` buffer that the next piece reads. A step
+    of `T` tokens pads them to the captured size `S >= T` (ids 0, positions
+    0, slots -1: the KV write skips them), and its attention reads and
+    writes the first `T` rows only.
+
+    Args:
+        forward: the model's forward (no LM head).
+        kv_caches: the per-layer caches.
+        sizes: the token counts to capture (see `piecewise_sizes`).
+        num_heads: query heads; `attn_out` is `[max(sizes), num_heads, head_dim]`.
+        head_dim: size of one head.
+        dtype: the activations' dtype.
+        device: the GPU.
+    """
+
+    def __init__(self, forward: HiddenFn, kv_caches: list[KVCache], sizes: list[int],
+                 num_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"piecewise sizes must be positive, got {sizes}")
+        self.forward = forward
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.device = device
+        n = self.sizes[-1]
+        # Rows: input ids, positions, slots (one copy fills all three).
+        self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.token_inputs[2].fill_(-1)
+        self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        self._no_seqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.calls: dict[int, list[_AttentionCall]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The captured size a step of `num_tokens` runs at, or None if it is too big."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _forward(self, size: int, split: AttentionSplit) -> torch.Tensor:
+        # Only the pieces read this metadata (the KV write's slots); every
+        # attention goes to `split`.
+        meta = CudaAttentionMetadata(
+            slot_mapping=self.token_inputs[2, :size], query_start_loc=self._no_seqs,
+            context_lens=self._no_seqs[:0], block_tables=self._no_seqs[:0].view(0, 1),
+            max_query_len=size, max_context_len=0, query_start_loc_cpu=[0],
+            context_lens_cpu=[], split=split)
+        return self.forward(self.token_inputs[0, :size], self.token_inputs[1, :size],
+                            self.kv_caches, meta)
+
+    def _attend(self, call: _AttentionCall, num_tokens: int,
+                meta: CudaAttentionMetadata) -> None:
+        """Attention over the step's first `num_tokens` rows, into `attn_out`."""
+        t = num_tokens
+        out = call.backend.paged_attention(
+            call.q[:t], call.k_cache, call.v_cache, meta, call.scale,
+            None if call.key is None else call.key[:t],
+            None if call.value is None else call.value[:t])
+        self.attn_out[:t].copy_(out)
+
+    # --8<-- [start:piecewise_capture]
+    @torch.inference_mode()
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """Warm up and capture every size, largest first, into `pool`."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                self._forward(size, lambda *args, size=size: self.attn_out[:size])  # warm-up
+                torch.cuda.synchronize(self.device)
+                self._capture_size(size, pool)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d pieces "
+                    "each, in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1],
+                    len(self.pieces[self.sizes[0]]), time.perf_counter() - start)
+
+    def _capture_size(self, size: int, pool: tuple[int, int]) -> None:
+        pieces = [torch.cuda.CUDAGraph()]
+        calls: list[_AttentionCall] = []
+
+        def split(backend: CudaAttentionBackend, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, scale: float, key: torch.Tensor | None,
+                  value: torch.Tensor | None) -> torch.Tensor:
+            pieces[-1].capture_end()  # this piece ends where attention begins
+            calls.append(_AttentionCall(backend, q, k_cache, v_cache, scale, key, value))
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)  # the next one begins after it
+            return self.attn_out[:size]
+
+        pieces[0].capture_begin(pool=pool)
+        try:
+            out = self._forward(size, split)
+        finally:
+            pieces[-1].capture_end()
+        self.pieces[size], self.calls[size], self.outputs[size] = pieces, calls, out
+    # --8<-- [end:piecewise_capture]
+
+    # --8<-- [start:piecewise_replay]
+    def run(self, token_inputs: torch.Tensor, meta: CudaAttentionMetadata, num_tokens: int,
+            token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Fill the static buffers, then replay the pieces with attention between them.
+
+        Args:
+            token_inputs: `[3, S]` int64 ids / positions / slots of the step's
+                `num_tokens` tokens, padded to a captured size `S`.
+            meta: the step's attention metadata (its first `num_tokens` rows).
+            num_tokens: the step's real tokens.
+            token_fixes: `(rows, ids)`, as in `CudaGraphRunner.run`.
+
+        Returns:
+            `[num_tokens, hidden]` last hidden states (graph memory: valid
+            until the next step).
+        """
+        size = token_inputs.shape[1]
+        self.token_inputs[:, :size].copy_(token_inputs)
+        if token_fixes is not None:
+            rows, ids = token_fixes
+            self.token_inputs[0].index_copy_(0, rows, ids.to(torch.int64))
+        pieces = self.pieces.get(size)
+        if pieces is None:  # not captured (CPU checks of the layout): the pieces, eagerly
+            def attend(backend: CudaAttentionBackend, *args: object) -> torch.Tensor:
+                self._attend(_AttentionCall(backend, *args), num_tokens, meta)
+                return self.attn_out[:size]
+            return self._forward(size, attend)[:num_tokens]
+        for piece, call in zip(pieces, self.calls[size]):
+            piece.replay()
+            self._attend(call, num_tokens, meta)
+        pieces[-1].replay()
+        return self.outputs[size][:num_tokens]
+    # --8<-- [end:piecewise_replay]
+# --8<-- [end:piecewise_runner]
+
+
+__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "PiecewiseGraphRunner",
+           "capture_sizes", "context_bounds", "piecewise_sizes"]

@@ -9,7 +9,8 @@ On a GPU the same step takes the fast path (`execute_fast`): the batch is
 built on the host with numpy and crosses to the device in one pinned copy
 (`StagingBuffer`), attention runs on the CUDA kernels (`cuda_backend`), and
 a decode step replays a CUDA graph (`cuda_graphs`) instead of launching the
-forward kernel by kernel. Nothing in a step waits for the GPU; the engine's
+forward kernel by kernel; a step with prompt tokens replays the forward
+between its attentions as graphs too, when it is small enough. Nothing in a step waits for the GPU; the engine's
 read of the sampled tokens is the step's one synchronisation.
 """
 
@@ -24,8 +25,18 @@ import torch
 
 from mini_vllm.attention import AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
-from mini_vllm.cuda_backend import CudaAttentionMetadata, select_attention_backend
-from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes, context_bounds
+from mini_vllm.cuda_backend import (
+    CudaAttentionBackend,
+    CudaAttentionMetadata,
+    select_attention_backend,
+)
+from mini_vllm.cuda_graphs import (
+    CudaGraphRunner,
+    PiecewiseGraphRunner,
+    capture_sizes,
+    context_bounds,
+    piecewise_sizes,
+)
 from mini_vllm.models.loader import load_model
 from mini_vllm.ops._extension import num_sms
 from mini_vllm.ops.paged_attention import decode_grid, default_decode_version, longest_first
@@ -209,8 +220,9 @@ class ModelRunner:
         # times the step on the GPU, without the host's work of preparing it.
         self.step_start: torch.cuda.Event | None = None
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         if self.use_fast_path and not engine_config.enforce_eager:
-            self.graph_runner = self._capture_cuda_graphs()
+            self._capture_cuda_graphs()
 
     # --8<-- [start:num_blocks]
     @property
@@ -261,8 +273,14 @@ class ModelRunner:
         ) * cfg.head_dim
         activations = sched_cfg.max_num_batched_tokens * widest * self.dtype.itemsize
         logits = 2 * sched_cfg.max_num_seqs * cfg.vocab_size * 4
+        # The piecewise graphs keep each layer's QKV output of each size alive
+        # (attention reads it between two pieces).
+        qkv_width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        pieces = 0 if self.engine_config.enforce_eager else (
+            sum(self._piecewise_sizes()) * cfg.num_hidden_layers * qkv_width
+            * self.dtype.itemsize)
         budget = int(total * self.engine_config.cache_config.gpu_memory_utilization)
-        return budget - used - activations - logits - _GPU_FIXED_MARGIN_BYTES
+        return budget - used - activations - logits - pieces - _GPU_FIXED_MARGIN_BYTES
     # --8<-- [end:num_blocks]
 
     def _allocate_kv_cache(self) -> torch.Tensor:
@@ -426,18 +444,36 @@ class ModelRunner:
         """Forward and LM head over every row (model dtype): what a decode graph records."""
         return self.model.lm_head(self.model(input_ids, positions, kv_caches, meta))
 
-    def _capture_cuda_graphs(self) -> CudaGraphRunner:
+    def _piecewise_sizes(self) -> list[int]:
+        """Token counts of the piecewise graphs (none without the CUDA attention backend)."""
+        if not isinstance(self.attn_backend, CudaAttentionBackend):
+            return []
         sched = self.engine_config.scheduler_config
+        return piecewise_sizes(min(self.engine_config.max_piecewise_graph_tokens,
+                                   sched.max_num_batched_tokens))
+
+    def _capture_cuda_graphs(self) -> None:
+        """Decode graphs, and piecewise graphs for steps with prompts, in one memory pool."""
+        sched, cfg = self.engine_config.scheduler_config, self.model_config
+        reserved = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        sizes = self._piecewise_sizes()
+        if sizes:
+            self.piecewise_runner = PiecewiseGraphRunner(
+                self.model, self.kv_caches, sizes, cfg.num_attention_heads, cfg.head_dim,
+                self.dtype, self.device)
+            self.piecewise_runner.capture(pool)
         max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        runner = CudaGraphRunner(
+        self.graph_runner = CudaGraphRunner(
             self._forward_logits, self.kv_caches, capture_sizes(max_seqs),
             max_blocks_per_seq=-(-sched.max_model_len // self.block_size),
             max_context_len=sched.max_model_len, device=self.device,
             bounds=lambda bs: context_bounds(
                 sched.max_model_len, lambda bound: self._decode_grid(bs, bound)),
         )
-        runner.capture()
-        return runner
+        self.graph_runner.capture(pool)
+        logger.info("CUDA graphs hold %.0f MiB of GPU memory",
+                    (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
 
     def _decode_grid(self, num_seqs: int, bound: int) -> tuple[int, int] | None:
         """The decode kernel's (partition size, splits) for contexts up to `bound`."""
@@ -462,13 +498,14 @@ class ModelRunner:
         prev_sampled: torch.Tensor | None = None,
         use_graph: bool = True,
     ) -> torch.Tensor:
-        """`execute` without host synchronisation: graphs for decodes, kernels for attention.
+        """`execute` without host synchronisation: CUDA graphs, kernels for attention.
 
         Args:
             entries: the sequences of this step.
             prev_sampled: as in `execute`.
-            use_graph: replay a CUDA graph when the step is decode-only and a
-                graph of a large enough batch size was captured.
+            use_graph: replay CUDA graphs: a decode-only step the decode graph
+                of a large enough batch size, any other step the piecewise
+                graphs of a large enough token count, when captured.
 
         Returns:
             `[N, vocab_size]` logits in the model's dtype. After a graph
@@ -489,7 +526,8 @@ class ModelRunner:
             if padded is not None:
                 return self._replay_decode(entries, query_lens, starts, sample, prev_rows,
                                            prev_sampled, padded)
-        return self._run_eager(entries, query_lens, starts, sample, prev_rows, prev_sampled)
+        return self._run_flat(entries, query_lens, starts, sample, prev_rows, prev_sampled,
+                              use_graph)
     # --8<-- [end:execute_fast]
 
     def _host_layout(
@@ -567,15 +605,18 @@ class ModelRunner:
         return logits[:n] if sample.all() else logits[views[5]]  # of [padded, vocab]
     # --8<-- [end:replay_decode]
 
-    # --8<-- [start:run_eager]
-    def _run_eager(
+    # --8<-- [start:run_flat]
+    def _run_flat(
         self, entries: list[BatchEntry], query_lens: np.ndarray, starts: np.ndarray,
         sample: np.ndarray, prev_rows: np.ndarray, prev_sampled: torch.Tensor | None,
+        use_graph: bool,
     ) -> torch.Tensor:
-        """Any step, eagerly, with its decodes moved to the front.
+        """Any step as one flat batch, its decodes moved to the front.
 
         The decode kernel takes the first `num_decodes` sequences, prefill
-        attention the rest; the logits come back in the entries' order.
+        attention the rest; the logits come back in the entries' order. With
+        `use_graph` and a piecewise graph of enough tokens, the step replays
+        it (its tokens padded to that size); otherwise it runs eagerly.
         """
         n = len(entries)
         order = np.argsort(query_lens != 1, kind="stable")  # decodes first, else in order
@@ -584,6 +625,12 @@ class ModelRunner:
             query_lens, starts, prev_rows = query_lens[order], starts[order], prev_rows[order]
         num_decodes = int((query_lens == 1).sum())
         host = self._host_layout(entries, query_lens, starts, num_rows=n)
+        num_tokens = len(host["input_ids"])
+        pieces = self.piecewise_runner if use_graph else None
+        size = pieces.padded_size(num_tokens) if pieces is not None else None
+        token_inputs = np.zeros((3, size or num_tokens), dtype=np.int64)  # ids / positions / slots
+        token_inputs[2] = -1  # padding rows of a piecewise graph write nothing
+        token_inputs[:, :num_tokens] = host["input_ids"], host["positions"], host["slot_mapping"]
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         last_rows = np.empty(n, dtype=np.int64)  # last new token of each entry, entry order
@@ -593,34 +640,41 @@ class ModelRunner:
         context_lens = host["context_lens"]
         has_prev = prev_rows >= 0
         views = self.staging.to_device([
-            host["input_ids"], host["positions"], host["slot_mapping"], logits_indices,
+            token_inputs, logits_indices,
             query_start_loc.astype(np.int32), context_lens.astype(np.int32),
             host["block_tables"], prefill_start_loc.astype(np.int32),
             query_start_loc[1:][has_prev] - 1, prev_rows[has_prev],  # placeholders, sources
             longest_first(context_lens[:num_decodes]),
         ])
+        token_fixes = None
         if has_prev.any():  # placeholders: take the values the previous step sampled
-            views[0].index_copy_(0, views[8], prev_sampled.index_select(0, views[9]).long())
+            token_fixes = (views[6], prev_sampled.index_select(0, views[7]).long())
         meta = CudaAttentionMetadata(
-            slot_mapping=views[2],
-            query_start_loc=views[4],
-            context_lens=views[5],
-            block_tables=views[6],
+            slot_mapping=views[0][2, :num_tokens],
+            query_start_loc=views[2],
+            context_lens=views[3],
+            block_tables=views[4],
             max_query_len=int(query_lens.max()),
             max_context_len=int(context_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             context_lens_cpu=context_lens.tolist(),
             num_decodes=num_decodes,
             decode_max_context_len=int(context_lens[:num_decodes].max()) if num_decodes else 0,
-            prefill_query_start_loc=views[7] if num_decodes < n else None,
+            prefill_query_start_loc=views[5] if num_decodes < n else None,
             prefill_query_start_loc_cpu=prefill_start_loc.tolist(),
             prefill_context_lens_cpu=context_lens[num_decodes:].tolist(),
-            decode_order=views[10] if num_decodes else None,
+            decode_order=views[8] if num_decodes else None,
         )
         self._mark_step_start()
-        hidden = self.model(views[0], views[1], self.kv_caches, meta)  # [T, hidden]
-        return self.model.lm_head(hidden[views[3]])  # [N, vocab], model dtype
-    # --8<-- [end:run_eager]
+        if size is not None:
+            hidden = pieces.run(views[0], meta, num_tokens, token_fixes)
+        else:
+            input_ids, positions = views[0][0], views[0][1]
+            if token_fixes is not None:
+                input_ids.index_copy_(0, *token_fixes)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        return self.model.lm_head(hidden[views[1]])  # [N, vocab], model dtype
+    # --8<-- [end:run_flat]
 
 
 __all__ = ["BatchEntry", "ModelInput", "ModelRunner", "StagingBuffer"]

@@ -18,7 +18,12 @@ from test_phase2 import Blocks, random_prompts  # phase 9 reuses phase 2's test 
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.cuda_backend import CudaAttentionBackend
-from mini_vllm.cuda_graphs import CudaGraphRunner, capture_sizes
+from mini_vllm.cuda_graphs import (
+    CudaGraphRunner,
+    PiecewiseGraphRunner,
+    capture_sizes,
+    piecewise_sizes,
+)
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.sampler import Sampler, SamplingMetadata
@@ -123,6 +128,58 @@ def test_fast_path_host_logic_matches_reference_on_cpu(
     assert seqs == ref_seqs
 
 
+def test_piecewise_layout_matches_reference_on_cpu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps padded to a piecewise size, attention between the pieces, on the CPU.
+
+    Without a capture the pieces run eagerly on the same static buffers, so the
+    padding (ids 0, positions 0, slots -1) and the attention over the real rows
+    are checked against the reference path here; the GPU test below replays them.
+    """
+    ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    monkeypatch.setattr(
+        "mini_vllm.model_runner.select_attention_backend",
+        lambda device, dtype, head_dim: CudaAttentionBackend(dtype, head_dim, device,
+                                                             use_kernels=False))
+    fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    fast.use_fast_path = True
+    cfg = fast.model_config
+    pieces = PiecewiseGraphRunner(fast.model, fast.kv_caches, piecewise_sizes(64),
+                                  cfg.num_attention_heads, cfg.head_dim, fast.dtype, fast.device)
+    fast.piecewise_runner = pieces
+    runs: list[tuple[int, int]] = []  # (padded size, real tokens) of each step
+    run = pieces.run
+
+    def spy(token_inputs: torch.Tensor, meta: object, num_tokens: int,
+            token_fixes: object = None) -> torch.Tensor:
+        runs.append((token_inputs.shape[1], num_tokens))
+        return run(token_inputs, meta, num_tokens, token_fixes)
+
+    monkeypatch.setattr(pieces, "run", spy)
+    prompts = random_prompts([5, 12, 1, 23, 9], ref.vocab_size)
+    ref_seqs, ref_steps = greedy_run(ref, prompts, 9)
+    for from_device in (False, True):
+        runs.clear()
+        seqs, steps = greedy_run(fast, prompts, 9, from_device=from_device)
+        assert seqs == ref_seqs
+        for a, b in zip(ref_steps, steps):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        # 45 prompt tokens in 64 rows, then 5 + 4 in 16, then decodes of 4 and 3 in 16.
+        assert runs[:2] == [(64, 45), (16, 9)]
+        assert len(runs) == 11 and {size for size, _ in runs[2:]} == {16}
+
+
+def test_piecewise_sizes() -> None:
+    assert piecewise_sizes(512) == [16, 32, 64, 128, 256, 512]
+    assert piecewise_sizes(100) == [16, 32, 64, 100]
+    assert piecewise_sizes(16) == [16]
+    assert piecewise_sizes(10) == [10]
+    assert piecewise_sizes(0) == []
+    with pytest.raises(ValueError, match="max_piecewise_graph_tokens"):
+        EngineArgs(max_piecewise_graph_tokens=-1).create_engine_config()
+
+
 def test_capture_sizes_ladder() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]
@@ -203,6 +260,57 @@ def test_graph_replay_equals_eager_and_padding_touches_nothing(tiny_model_dir: P
     else:
         assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
     # Padded rows wrote nothing: block 0 and every block no table holds are still zero.
+    used = sorted({b for t in tables for b in t})
+    unused = [b for b in range(NUM_BLOCKS) if b not in used]
+    if runner.attn_backend.write_impl == "kernel":
+        unused.append(0)  # the torch fallback parks padded rows in block 0 instead
+    assert runner.kv_cache[:, :, unused].abs().sum().item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
+    tiny_model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts, a prompt after its cached prefix beside decodes, and a lone short
+    prompt: each replays the piecewise graphs of its padded size, as eagerly."""
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype,
+                                       max_piecewise_graph_tokens=64))
+    pieces = runner.piecewise_runner
+    assert pieces is not None and pieces.sizes == [16, 32, 64]
+    layers = runner.model_config.num_hidden_layers
+    assert all(len(p) == layers + 1 and len(pieces.calls[s]) == layers
+               for s, p in pieces.pieces.items())
+    runs: list[int] = []
+    run = pieces.run
+
+    def spy(token_inputs: torch.Tensor, *args: object) -> torch.Tensor:
+        runs.append(token_inputs.shape[1])
+        return run(token_inputs, *args)
+
+    monkeypatch.setattr(pieces, "run", spy)
+    vocab = runner.vocab_size
+    prompts = random_prompts([7, 20, 13, 5], vocab, seed=3)
+    blocks = make_blocks(3)
+    tables = [blocks.table(len(p) + 24) for p in prompts]
+    more = random_prompts([20], vocab, seed=4)[0]
+    steps = [
+        [BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables)],  # 40 tokens: 64
+        [BatchEntry([11], 7, tables[0]), BatchEntry(more, 20, tables[1]),  # 22 tokens: 32
+         BatchEntry([12], 13, tables[2])],
+        [BatchEntry(prompts[3], 0, tables[3])],  # 5 tokens: 16
+    ]
+    for entries in steps:
+        eager = runner.execute_fast(entries, use_graph=False).float().clone()
+        graph = runner.execute_fast(entries, use_graph=True).float().clone()
+        assert graph.shape == eager.shape == (len(entries), vocab)
+        if dtype == "float32":
+            torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+        else:
+            assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+    assert runs == [64, 32, 16]
+    # Padding rows wrote nothing: block 0 and every block no table holds are still zero.
     used = sorted({b for t in tables for b in t})
     unused = [b for b in range(NUM_BLOCKS) if b not in used]
     if runner.attn_backend.write_impl == "kernel":
