@@ -24,7 +24,7 @@ On a GPU (random Qwen3-0.6B weights; one command measures our server):
     python benchmarks/serving.py --launch --compare-offline
     python benchmarks/serving.py --launch --request-rates 4 inf --num-requests 256
     python benchmarks/serving.py --launch --request-rates 16 --max-piecewise-graph-tokens 0 \
-        --output benchmarks/results/serving_eager_prefill.json   # prompts without graphs
+        --output benchmarks/results/piecewise/serving_16_eager_prefill.json  # no piecewise graphs
 
 Against any running OpenAI-compatible server:
 
