@@ -9,9 +9,10 @@ On a GPU the same step takes the fast path (`execute_fast`): the batch is
 built on the host with numpy and crosses to the device in one pinned copy
 (`StagingBuffer`), attention runs on the CUDA kernels (`cuda_backend`), and
 a decode step replays a CUDA graph (`cuda_graphs`) instead of launching the
-forward kernel by kernel; a step with prompt tokens replays the forward
-between its attentions as graphs too, when it is small enough. Nothing in a step waits for the GPU; the engine's
-read of the sampled tokens is the step's one synchronisation.
+forward kernel by kernel; a small enough step with prompt tokens replays the
+forward between its attentions as graphs too. Nothing in a step waits for
+the GPU; the engine's read of the sampled tokens is the step's one
+synchronisation.
 """
 
 from __future__ import annotations

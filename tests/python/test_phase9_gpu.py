@@ -244,6 +244,27 @@ def test_backend_is_chosen_automatically(tiny_model_dir: Path,
     assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def _assert_graph_equals_eager(runner: ModelRunner, entries: list[BatchEntry],
+                               dtype: str) -> None:
+    """The step's logits through its CUDA graph(s) against an eager run of the same entries."""
+    eager = runner.execute_fast(entries, use_graph=False).float().clone()
+    graph = runner.execute_fast(entries, use_graph=True).float().clone()
+    assert graph.shape == eager.shape == (len(entries), runner.vocab_size)
+    if dtype == "float32":
+        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+
+
+def _assert_padding_wrote_nothing(runner: ModelRunner, tables: list[list[int]]) -> None:
+    """Block 0 and every block no table holds are still zero."""
+    used = sorted({b for t in tables for b in t})
+    unused = [b for b in range(NUM_BLOCKS) if b not in used]
+    if runner.attn_backend.write_impl == "kernel":
+        unused.append(0)  # the torch fallback parks padded rows in block 0 instead
+    assert runner.kv_cache[:, :, unused].abs().sum().item() == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -252,19 +273,8 @@ def test_graph_replay_equals_eager_and_padding_touches_nothing(tiny_model_dir: P
     runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype))
     seqs, tables = _prefilled(runner, 5)  # 5 sequences: the graph of 8, 3 rows padded
     entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
-    eager = runner.execute_fast(entries, use_graph=False).clone()
-    graph = runner.execute_fast(entries, use_graph=True).clone()
-    assert graph.shape == eager.shape == (5, runner.vocab_size)
-    if dtype == "float32":
-        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
-    else:
-        assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
-    # Padded rows wrote nothing: block 0 and every block no table holds are still zero.
-    used = sorted({b for t in tables for b in t})
-    unused = [b for b in range(NUM_BLOCKS) if b not in used]
-    if runner.attn_backend.write_impl == "kernel":
-        unused.append(0)  # the torch fallback parks padded rows in block 0 instead
-    assert runner.kv_cache[:, :, unused].abs().sum().item() == 0
+    _assert_graph_equals_eager(runner, entries, dtype)
+    _assert_padding_wrote_nothing(runner, tables)
 
 
 @pytest.mark.gpu
@@ -302,20 +312,9 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
         [BatchEntry(prompts[3], 0, tables[3])],  # 5 tokens: 16
     ]
     for entries in steps:
-        eager = runner.execute_fast(entries, use_graph=False).float().clone()
-        graph = runner.execute_fast(entries, use_graph=True).float().clone()
-        assert graph.shape == eager.shape == (len(entries), vocab)
-        if dtype == "float32":
-            torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
-        else:
-            assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+        _assert_graph_equals_eager(runner, entries, dtype)
     assert runs == [64, 32, 16]
-    # Padding rows wrote nothing: block 0 and every block no table holds are still zero.
-    used = sorted({b for t in tables for b in t})
-    unused = [b for b in range(NUM_BLOCKS) if b not in used]
-    if runner.attn_backend.write_impl == "kernel":
-        unused.append(0)  # the torch fallback parks padded rows in block 0 instead
-    assert runner.kv_cache[:, :, unused].abs().sum().item() == 0
+    _assert_padding_wrote_nothing(runner, tables)
 
 
 @pytest.mark.gpu
