@@ -101,10 +101,10 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
 # ------------------------------------------------------------- on any machine
 
 
-def test_fast_path_host_logic_matches_reference_on_cpu(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU path's batch layout (decodes first, padded graph batches) on the CPU."""
+def _reference_and_fast_on_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                               ) -> tuple[ModelRunner, ModelRunner]:
+    """A reference runner, and one on the fast path with the CUDA backend's torch
+    fallbacks, both in float32 on the CPU (no graphs: the tests give it runners)."""
     ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
     monkeypatch.setattr(
         "mini_vllm.model_runner.select_attention_backend",
@@ -112,6 +112,14 @@ def test_fast_path_host_logic_matches_reference_on_cpu(
                                                              use_kernels=False))
     fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
     fast.use_fast_path = True
+    return ref, fast
+
+
+def test_fast_path_host_logic_matches_reference_on_cpu(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path's batch layout (decodes first, padded graph batches) on the CPU."""
+    ref, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
     # Graph buffers without capture: `run` executes the padded batch eagerly.
     fast.graph_runner = CudaGraphRunner(fast._forward_logits, fast.kv_caches, capture_sizes(8),
                                         max_blocks_per_seq=256 // BLOCK_SIZE,
@@ -137,13 +145,7 @@ def test_piecewise_layout_matches_reference_on_cpu(
     padding (ids 0, positions 0, slots -1) and the attention over the real rows
     are checked against the reference path here; the GPU test below replays them.
     """
-    ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
-    monkeypatch.setattr(
-        "mini_vllm.model_runner.select_attention_backend",
-        lambda device, dtype, head_dim: CudaAttentionBackend(dtype, head_dim, device,
-                                                             use_kernels=False))
-    fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
-    fast.use_fast_path = True
+    ref, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
     cfg = fast.model_config
     pieces = PiecewiseGraphRunner(fast.model, fast.kv_caches, piecewise_sizes(64),
                                   cfg.num_attention_heads, cfg.head_dim, fast.dtype, fast.device)
