@@ -31,9 +31,10 @@ so a replay's logits are valid until the next replay.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,21 @@ CONTEXT_BOUNDS = (256, 1024, 4096)
 # (input_ids, positions, kv_caches, metadata) -> logits [bs, vocab]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMetadata],
                      torch.Tensor]
+
+
+@contextlib.contextmanager
+def capture_stream(device: torch.device) -> Iterator[None]:
+    """Warm up and capture on a side stream, the device synchronised before and after.
+
+    As `torch.cuda.graph()` does, without its per-capture `gc.collect()`;
+    warming up on the same stream makes per-stream library workspaces exist
+    before capture.
+    """
+    stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.synchronize(device)
 
 
 # --8<-- [start:capture_sizes]
@@ -169,12 +185,7 @@ class CudaGraphRunner:
         """
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        # Capture on a side stream (as torch.cuda.graph() does, without its
-        # per-capture gc.collect()); warm up on it too, so that per-stream
-        # library workspaces exist before capture.
-        stream = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(stream):
+        with capture_stream(self.device):
             for bs in reversed(self.sizes):
                 for bound in reversed(self.bounds[bs]):
                     self._run_eager(bs, bound)  # warm-up: handles, workspaces, lazy init
@@ -186,7 +197,6 @@ class CudaGraphRunner:
                     finally:
                         graph.capture_end()
                     self.graphs[bs, bound], self.outputs[bs, bound] = graph, out
-        torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self.graphs), self.sizes[0], self.max_size, time.perf_counter() - start)
     # --8<-- [end:capture]
@@ -236,7 +246,6 @@ class CudaGraphRunner:
 # --8<-- [end:graph_runner]
 
 
-# --8<-- [start:piecewise_sizes]
 def piecewise_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
     """Token counts to capture piecewise: 16, 32, 64, ... while below `max_tokens`,
     then `max_tokens` itself; none for 0. A step pads its tokens to the next one."""
@@ -245,7 +254,6 @@ def piecewise_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes + [max_tokens] if max_tokens > 0 else []
-# --8<-- [end:piecewise_sizes]
 
 
 # (input_ids, positions, kv_caches, metadata) -> the last hidden states [T, hidden]
@@ -270,7 +278,6 @@ class _AttentionCall:
     value: torch.Tensor | None
 
 
-# --8<-- [start:piecewise_runner]
 class PiecewiseGraphRunner:
     """Steps with prompt tokens: CUDA graphs between the attentions, attention eagerly.
 
@@ -357,14 +364,11 @@ class PiecewiseGraphRunner:
         """Warm up and capture every size, largest first, into `pool`."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        stream = torch.cuda.Stream(self.device)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(stream):
+        with capture_stream(self.device):
             for size in reversed(self.sizes):
                 self._forward(size, lambda *args, size=size: self.attn_out[:size])  # warm-up
                 torch.cuda.synchronize(self.device)
                 self._capture_size(size, pool)
-        torch.cuda.synchronize(self.device)
         logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d pieces "
                     "each, in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1],
                     len(self.pieces[self.sizes[0]]), time.perf_counter() - start)
@@ -423,8 +427,7 @@ class PiecewiseGraphRunner:
         pieces[-1].replay()
         return self.outputs[size][:num_tokens]
     # --8<-- [end:piecewise_replay]
-# --8<-- [end:piecewise_runner]
 
 
 __all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "PiecewiseGraphRunner",
-           "capture_sizes", "context_bounds", "piecewise_sizes"]
+           "capture_sizes", "capture_stream", "context_bounds", "piecewise_sizes"]

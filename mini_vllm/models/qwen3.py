@@ -13,7 +13,7 @@ tells the loader which checkpoint tensors fill which rows of a fused weight.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -75,24 +75,30 @@ class Linear(nn.Module):
             requires_grad=False,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Asked on every call (the weight of a tied lm_head is swapped in after
-        # construction, and the row count changes from step to step), so the
-        # test is attribute reads only.
+    def _kernel(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """Our kernel for `x @ W.T`, or None for cuBLAS.
+
+        Asked on every call (the weight of a tied lm_head is swapped in after
+        construction, and the row count changes from step to step), so the
+        test is attribute reads only.
+        """
         if self.use_kernels:
             if gemv_usable(x, self.weight):
-                return gemv(x, self.weight)
+                return gemv
             if gemm_wgmma_pays(x, self.weight):
-                return gemm_wgmma(x, self.weight)
-        return F.linear(x, self.weight)
+                return gemm_wgmma
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernel(x)
+        return kernel(x, self.weight) if kernel else F.linear(x, self.weight)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`out += x @ W.T` in place, the sum rounded once: a sub-layer's output
         added into the residual stream by the matrix product itself."""
-        if self.use_kernels and gemv_usable(x, self.weight):
-            gemv(x, self.weight, out=out, accumulate=True)
-        elif self.use_kernels and gemm_wgmma_pays(x, self.weight):
-            gemm_wgmma(x, self.weight, out=out, accumulate=True)
+        kernel = self._kernel(x)
+        if kernel:
+            kernel(x, self.weight, out=out, accumulate=True)
         else:
             out.addmm_(x, self.weight.t())
 # --8<-- [end:linear]
