@@ -18,6 +18,12 @@ Two views of a decode step of `--batch` sequences with `--context` tokens each:
     python benchmarks/step_profile.py                          # batch 256, context 1024
     python benchmarks/step_profile.py --batch 1 --no-engine    # latency view
 
+With `--postprocess`, only that host work after the sampler (`LLMEngine._process`),
+for final-only requests (what `LLM.generate` sends) detokenized token by token and
+at the end, side by side (`profile_postprocess`); it needs no GPU:
+
+    python benchmarks/step_profile.py --postprocess --preset tiny --context 16 --steps 100
+
 Results: a table on stdout and JSON in `--output`.
 """
 
@@ -54,11 +60,12 @@ from benchmarks.common import (
 )
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs
+from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models import qwen3
 from mini_vllm.ops._extension import extension
 from mini_vllm.sampler import Sampler, SamplingMetadata
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 _KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("decode attention", ("paged_attention", "decode", "combine_splits")),
@@ -278,8 +285,6 @@ def rms_norm_variants(batch: int, hidden: int, heads: int, head_dim: int) -> dic
 
 def profile_engine(model_dir: Path, load_format: str, ns: argparse.Namespace) -> dict[str, Any]:
     """The engine-level view: `LLMEngine.step()` split by timestamps around its parts."""
-    from mini_vllm.engine.llm_engine import LLMEngine
-
     engine = LLMEngine(EngineArgs(
         model=str(model_dir), device="cuda", dtype="bfloat16", load_format=load_format,
         max_num_seqs=ns.batch, max_model_len=ns.max_model_len,
@@ -347,6 +352,80 @@ def profile_engine(model_dir: Path, load_format: str, ns: argparse.Namespace) ->
             **{f"{k}_ms": _ms(v) for k, v in parts.items()}}
 
 
+class _PerTokenEngine(LLMEngine):
+    """The engine with every completion detokenized token by token, as a stream is."""
+
+    def _detokenizes_at_end(self, params: SamplingParams) -> bool:
+        return False
+
+
+def profile_postprocess(model_dir: Path, load_format: str, ns: argparse.Namespace,
+                        device: str) -> dict[str, Any]:
+    """The engine's host work after the sampler (`LLMEngine._process`), with and without
+    deferred detokenization, measured side by side.
+
+    Two engines run the same `--batch` final-only requests (what `LLM.generate`
+    sends: seeded sampling, EOS ignored, `--steps` output tokens each), one step
+    of each in turn: the engine as it is, which decodes such a completion's text
+    once, when it finishes, and one that detokenizes every token as a stream
+    does. Every `_process` call is timed (after a device sync, so that none of
+    it is waiting for the device), the last ones, where every request finishes
+    and has its text decoded, included. Both engines must return the same texts.
+    """
+    engines = {}
+    blocks_per_seq = -(-(ns.context + ns.steps + 1) // 16)
+    for name, cls in (("per_token", _PerTokenEngine), ("at_end", LLMEngine)):
+        engine = cls(EngineArgs(
+            model=str(model_dir), device=device, load_format=load_format, block_size=16,
+            max_num_seqs=ns.batch, max_model_len=ns.max_model_len, async_scheduling=False,
+            num_gpu_blocks_override=ns.batch * blocks_per_seq + 1,  # room for both engines
+        ).create_engine_config())
+        rng = random.Random(0)
+        vocab = engine.vocab_size
+        for i in range(ns.batch):
+            params = SamplingParams(temperature=0.6, top_p=1.0, top_k=0, seed=i,
+                                    ignore_eos=True, max_tokens=ns.steps,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            engine.add_request(str(i), [rng.randrange(vocab) for _ in range(ns.context)],
+                               params)
+        engines[name] = engine
+
+    timings: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
+    texts: dict[str, dict[str, str]] = {name: {} for name in engines}
+
+    def timed(name: str, process: Any) -> Any:
+        def wrapper(step: Any) -> Any:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = process(step)
+            timings[name].append((time.perf_counter() - t0, len(step.rows)))
+            return out
+        return wrapper
+
+    for name, engine in engines.items():
+        engine._process = timed(name, engine._process)
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, engine in engines.items():
+            for out in engine.step():
+                if out.finished:
+                    texts[name][out.request_id] = out.outputs[0].text
+    if texts["per_token"] != texts["at_end"]:
+        raise RuntimeError("the two engines returned different texts")
+
+    result: dict[str, Any] = {"batch": ns.batch, "output_tokens": ns.steps}
+    for name, rows in timings.items():
+        seconds = sum(t for t, _ in rows)
+        num_rows = sum(n for _, n in rows)
+        full = [t for t, n in rows if n == ns.batch]
+        # All its time spread over its rows, then counted for a step of `batch` rows.
+        result[f"{name}_ms_per_step"] = 1e3 * seconds / num_rows * ns.batch
+        result[f"{name}_median_ms"] = _ms(full)
+        result[f"{name}_last_step_ms"] = 1e3 * rows[-1][0]
+    result["speedup"] = result["per_token_ms_per_step"] / result["at_end_ms_per_step"]
+    return result
+
+
 @contextlib.contextmanager
 def without_programmatic_launch() -> Iterator[None]:
     """Launch every kernel plainly inside the block (on again after it)."""
@@ -378,8 +457,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="also profile LLMEngine.step()")
-    p.add_argument("--output", default=str(RESULTS_DIR / "step_profile.json"))
+    p.add_argument("--postprocess", action="store_true",
+                   help="only time the engine's host work after the sampler, final-only "
+                        "completions detokenized at the end and per token (on the CPU "
+                        "when there is no GPU)")
+    p.add_argument("--output", default=None,
+                   help="the JSON file (default: benchmarks/results/step_profile.json, "
+                        "step_profile_postprocess.json with --postprocess)")
     ns = p.parse_args(argv)
+    if ns.postprocess:
+        main_postprocess(ns)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA GPU")
     copy = measure_copy_bandwidth("cuda")
@@ -401,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine = {"error": repr(e)}
     result = {"environment": environment("cuda"), "copy_bandwidth_bytes_per_s": bandwidth,
               "runner": runner, "engine": engine}
-    path = write_json(ns.output, result)
+    path = write_json(ns.output or RESULTS_DIR / "step_profile.json", result)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; results in {path}")
     print(f"GPU ms per step by category: {runner['gpu_ms_by_category']}")
     print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
@@ -419,6 +507,21 @@ def main(argv: list[str] | None = None) -> None:
                                       "schedule_ms", "build_entries_ms", "execute_host_ms",
                                       "sampling_metadata_ms", "sampler_host_ms", "wait_gpu_ms",
                                       "postprocess_ms", "step_wall_ms"]))
+
+
+def main_postprocess(ns: argparse.Namespace) -> None:
+    """`--postprocess`: `profile_postprocess` on the GPU if there is one, else on the CPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp))
+        result = profile_postprocess(model_dir, load_format, ns, device)
+    path = write_json(ns.output or RESULTS_DIR / "step_profile_postprocess.json",
+                      {"environment": environment(device), "postprocess": result})
+    print(f"results in {path}")
+    print(format_table([result], ["batch", "output_tokens", "per_token_ms_per_step",
+                                  "at_end_ms_per_step", "speedup", "per_token_median_ms",
+                                  "at_end_median_ms", "per_token_last_step_ms",
+                                  "at_end_last_step_ms"]))
 
 
 if __name__ == "__main__":

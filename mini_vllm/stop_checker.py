@@ -13,6 +13,10 @@ Stop strings are matched on the text, not on tokens, so they are found even
 when split across tokens. While the text ends with something that could still
 grow into a stop string, that tail is held back: no chunk ever carries the
 start of a stop string that later matches.
+
+A completion whose text is decoded only when it ends (no stop strings, and
+nobody reads it before) goes through `check_token` instead: the same rules
+on token ids, without the text.
 """
 
 from __future__ import annotations
@@ -78,7 +82,10 @@ class StopChecker:
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Rule 1 finished it and left the token's text out.
+        self.dropped_stop_token_text = False
         self.num_output_tokens = 0
+        self._stop_token_ids = self.eos_token_ids | self.stop_token_ids
         # Longest text that can still become part of a match: max stop length - 1.
         self._window = max((len(s) for s in self.stop), default=1) - 1
         self._emitted: list[str] = []  # what was returned so far
@@ -91,7 +98,8 @@ class StopChecker:
 
     @property
     def output_text(self) -> str:
-        """The text emitted so far; once finished, the completion's final text."""
+        """The text emitted so far; once finished, the completion's final text
+        (empty when the tokens came through `check_token`, which sees no text)."""
         return "".join(self._emitted)
 
     # --8<-- [start:process]
@@ -120,9 +128,8 @@ class StopChecker:
         may_stop = self.num_output_tokens > self.params.min_tokens
         keep_stop_text = self.params.include_stop_str_in_output
 
-        if may_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
-            reason = None if token_id in self.eos_token_ids else token_id
-            return self._finish(new_text if keep_stop_text else "", "stop", reason)
+        if may_stop and token_id in self._stop_token_ids:
+            return self._finish_on_stop_token(token_id, new_text)
 
         if not self.stop:  # no stop string: nothing is ever held back
             if self.max_tokens is not None and self.num_output_tokens >= self.max_tokens:
@@ -155,6 +162,37 @@ class StopChecker:
         return StopResult(emit)
     # --8<-- [end:process]
 
+    # --8<-- [start:check_token]
+    def check_token(self, token_id: int, num_output_tokens: int) -> bool:
+        """`process` without the text, for a completion whose text is decoded once,
+        when it ends (the engine does that for final-only requests).
+
+        Only the rules on token ids apply, so the request must have no stop
+        strings: EOS and stop_token_ids (rule 1), then max_tokens (rule 3).
+
+        Returns:
+            Whether the request finished: `finish_reason` and `stop_reason` then
+            say why, and `dropped_stop_token_text` whether the last token's text
+            is to be left out.
+
+        Raises:
+            RuntimeError: if the request has already finished.
+            ValueError: if the request has stop strings.
+        """
+        if self.finish_reason is not None:
+            raise RuntimeError("check_token() called after the request finished")
+        if self.stop:
+            raise ValueError("stop strings are matched on the text: use process()")
+        self.num_output_tokens = num_output_tokens
+        if token_id in self._stop_token_ids and num_output_tokens > self.params.min_tokens:
+            self._finish_on_stop_token(token_id, "")
+            return True
+        if self.max_tokens is not None and num_output_tokens >= self.max_tokens:
+            self._finish("", "length", None)
+            return True
+        return False
+    # --8<-- [end:check_token]
+
     def finish(self, finish_reason: str = "length") -> StopResult:
         """End the request for a reason of the engine's (context full, abort).
 
@@ -164,6 +202,14 @@ class StopChecker:
         if self.finished:
             raise RuntimeError("finish() called after the request finished")
         return self._finish("", finish_reason, None)
+
+    def _finish_on_stop_token(self, token_id: int, new_text: str) -> StopResult:
+        """Rule 1: finish "stop"; the token's text is kept only with
+        `include_stop_str_in_output`."""
+        keep = self.params.include_stop_str_in_output
+        self.dropped_stop_token_text = not keep
+        reason = None if token_id in self.eos_token_ids else token_id
+        return self._finish(new_text if keep else "", "stop", reason)
 
     def _finish(self, extra: str, finish_reason: str, stop_reason: int | str | None) -> StopResult:
         emit = self._pending + extra

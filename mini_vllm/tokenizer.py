@@ -295,8 +295,14 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = list(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.output_token_ids: list[int] = []
-        self.text = ""  # every piece returned so far, joined
+        self._pieces: list[str] = []  # every piece returned so far (joined when asked)
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._backend = tokenizer.backend
+
+    @property
+    def text(self) -> str:
+        """Every piece returned so far, joined."""
+        return "".join(self._pieces)
 
     def add_token(self, token_id: int) -> str:
         """Append one generated id; return the text it completes ("" if none yet).
@@ -304,18 +310,54 @@ class IncrementalDetokenizer:
         Ids outside the tokenizer (the embedding can be larger) add no text.
         """
         self.output_token_ids.append(token_id)
-        piece = self._stream.step(self.tokenizer.backend, token_id) or ""
-        self.text += piece
+        piece = self._stream.step(self._backend, token_id)
+        if piece is None:  # an unfinished character, or no text
+            return ""
+        self._pieces.append(piece)
         return piece
 
     def flush(self) -> str:
         """Text still held back at the end of the sequence (an unfinished character,
         rendered as U+FFFD); after it, `text == decode(output_token_ids)`."""
         full = self.tokenizer.decode(self.output_token_ids, self.skip_special_tokens)
-        rest = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text += rest
+        text = self.text
+        rest = full[len(text):] if full.startswith(text) else ""
+        self._pieces.append(rest)
         return rest
 # --8<-- [end:incremental]
+
+    # --8<-- [start:final_text]
+    def final_text(self, token_ids: Sequence[int], drop_last: bool = False,
+                   flush: bool = True) -> str:
+        """What `add_token` for each of `token_ids`, then `flush()`, would have given,
+        joined, from full decodes (usually one) instead of a decode step per token.
+
+        `add_token` releases text whenever the decode of the ids so far does not end
+        in U+FFFD (an unfinished character), so its pieces join to the decode of the
+        longest such prefix of the ids, and `flush` adds the rest of the full decode.
+
+        Args:
+            token_ids: the generated ids, in order (this detokenizer's state is not
+                used or changed: it is a replay).
+            drop_last: the last id's piece is left out (a stop token whose text is
+                not shown); what is still held back after it is flushed all the same.
+            flush: release the held-back bytes at the end (False: an aborted or
+                failed request, whose held-back bytes never appear).
+        """
+        full = self.tokenizer.decode(token_ids, self.skip_special_tokens)
+        if full.endswith("\ufffd"):  # the last id released nothing: there is nothing to drop
+            return full if flush else self._released(token_ids[:-1])
+        # The last id released everything: nothing is held back.
+        return self._released(token_ids[:-1]) if drop_last else full
+
+    def _released(self, token_ids: Sequence[int]) -> str:
+        """The pieces `add_token` returns for `token_ids`, joined (nothing flushed)."""
+        for end in range(len(token_ids), 0, -1):
+            text = self.tokenizer.decode(token_ids[:end], self.skip_special_tokens)
+            if not text.endswith("\ufffd"):
+                return text
+        return ""
+    # --8<-- [end:final_text]
 
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]

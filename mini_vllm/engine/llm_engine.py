@@ -72,6 +72,8 @@ class _Completion:
     stop_checker: StopChecker
     generator: torch.Generator | None
     noise_key: int | None  # an unseeded completion's key for the fused GPU sampler's noise
+    # Detokenized once, when it ends, not token by token (see _detokenizes_at_end).
+    text_at_end: bool
     # What is new since the last output of this completion.
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -220,6 +222,7 @@ class LLMEngine:
                 # A seeded completion's noise key comes from its generator's seed.
                 noise_key=(None if seed is not None
                            else int(torch.randint(-(2**63), 2**63 - 1, ()))),
+                text_at_end=self._detokenizes_at_end(req.params),
                 logprobs=[] if req.params.logprobs is not None else None,
             ))
         added: list[str] = []
@@ -234,6 +237,14 @@ class LLMEngine:
         for c in group.completions:
             self._children[c.request.request_id] = (group, c)
     # --8<-- [end:add_request]
+
+    # --8<-- [start:detokenizes_at_end]
+    def _detokenizes_at_end(self, params: SamplingParams) -> bool:
+        """Whether a completion's text is decoded once, when it finishes, instead of
+        token by token: when nobody reads it before (FINAL_ONLY) and no stop string
+        has to be matched on it. Its final text is the same either way."""
+        return params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
+    # --8<-- [end:detokenizes_at_end]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._in_flight is not None
@@ -357,15 +368,19 @@ class LLMEngine:
         if not step.rows:
             return []
         touched: dict[str, _Group] = {}
+        skipped = 0
         for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
             if c.finish_reason is not None:  # finished or aborted since it was launched
+                skipped += 1
                 continue
             c.request.resolve_token(index, token_id)
             if group.first_token_time is None:
                 group.first_token_time = now
             self._record_token(c, token_id, index + 1, logprobs, row)
-            if not group.final_only or group.finished:
+            # A final-only group has one output, once its last completion has finished.
+            if not group.final_only or (c.finish_reason is not None and group.finished):
                 touched[group.request_id] = group
+        self.stats["generation_tokens_total"] += len(step.rows) - skipped
         return [self._make_output(g) for g in touched.values()]
     # --8<-- [end:process]
 
@@ -374,25 +389,44 @@ class LLMEngine:
         self, c: _Completion, token_id: int, num_output: int, logprobs: _LogprobRows | None,
         row: int,
     ) -> None:
-        """Detokenize a sampled token, check the stop rules, finish the request if done."""
-        req = c.request
-        self.stats["generation_tokens_total"] += 1
-        piece = c.detokenizer.add_token(token_id)
-        result = c.stop_checker.process(token_id, piece, num_output)
-        c.text += result.emit_text
+        """Detokenize a sampled token (or leave that to the end), check the stop rules,
+        finish the request if done."""
+        req, checker = c.request, c.stop_checker
+        if c.text_at_end:  # the rules on token ids alone; the text comes at the end
+            finished = checker.check_token(token_id, num_output)
+        else:
+            piece = c.detokenizer.add_token(token_id)
+            c.text += checker.process(token_id, piece, num_output).emit_text
+            finished = checker.finish_reason is not None
         c.token_ids.append(token_id)
         if c.logprobs is not None and logprobs is not None:
             c.logprobs.append(logprobs.row(row, req.sampling_params.logprobs, self.tokenizer))
-        if result.finish_reason is None and req.num_prompt_tokens + num_output >= self.max_model_len:
-            result = c.stop_checker.finish("length")  # the context is full
-            c.text += result.emit_text
-        if result.finish_reason is not None:
-            if not isinstance(result.stop_reason, str):
-                # Bytes of a character the generation stopped in the middle of.
-                c.text += c.detokenizer.flush()
-            c.finish_reason, c.stop_reason = result.finish_reason, result.stop_reason
-            self.scheduler.finish_request(req.request_id, _STATUS_OF_REASON[c.finish_reason])
+        if not finished and req.num_prompt_tokens + num_output >= self.max_model_len:
+            c.text += checker.finish("length").emit_text  # the context is full
+            finished = True
+        if finished:
+            self._finish_completion(c)
     # --8<-- [end:append_token]
+
+    # --8<-- [start:finish_completion]
+    def _finish_completion(self, c: _Completion) -> None:
+        """Complete a finished completion's text, record why it ended, free its blocks."""
+        checker = c.stop_checker
+        if c.text_at_end:
+            c.text = self._text_at_end(c, flush=True)
+        elif not isinstance(checker.stop_reason, str):
+            # Bytes of a character the generation stopped in the middle of.
+            c.text += c.detokenizer.flush()
+        c.finish_reason, c.stop_reason = checker.finish_reason, checker.stop_reason
+        self.scheduler.finish_request(c.request.request_id, _STATUS_OF_REASON[c.finish_reason])
+
+    def _text_at_end(self, c: _Completion, flush: bool) -> str:
+        """The whole text of a completion detokenized at the end, as the token-by-token
+        path gives it (`flush` False: aborted or failed, held-back bytes not released)."""
+        ids = c.request.output_token_ids[:c.stop_checker.num_output_tokens]
+        return c.detokenizer.final_text(ids, drop_last=c.stop_checker.dropped_stop_token_text,
+                                        flush=flush)
+    # --8<-- [end:finish_completion]
 
     # --8<-- [start:make_output]
     def _make_output(self, group: _Group) -> RequestOutput:
@@ -435,6 +469,8 @@ class LLMEngine:
             self.scheduler.abort_requests([c.request.request_id for c in live])
             for c in live:
                 c.text += c.stop_checker.finish("abort").emit_text
+                if c.text_at_end:
+                    c.text = self._text_at_end(c, flush=False)
                 c.finish_reason = "abort"
             outputs.append(self._make_output(group))
         return outputs
@@ -452,6 +488,8 @@ class LLMEngine:
                     self.scheduler.finish_request(c.request.request_id,
                                                   RequestStatus.FINISHED_ERROR)
             for c in group.completions:
+                if c.finish_reason is None and c.text_at_end:
+                    c.text = self._text_at_end(c, flush=False)
                 c.finish_reason = c.finish_reason or "error"
             group.error = f"the engine failed while computing this request: {error}"
             self.stats["num_requests_failed"] += 1

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import threading
@@ -19,13 +20,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mini_vllm import LLM, SamplingParams
+from mini_vllm.checkpoint import PRESETS
 from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.engine import llm_engine
 from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from mini_vllm.engine.core_process import decode_outputs, encode_outputs
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from mini_vllm.sampler import SamplerOutput
+from mini_vllm.sampling_params import RequestOutputKind
+from mini_vllm.stop_checker import StopChecker
+from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.phase6
 
@@ -450,3 +458,252 @@ def test_async_scheduling_computes_no_token_past_max_tokens(tiny_model_dir, monk
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
     assert sum(sampled) == sum(lengths)
+
+
+# --- final-only completions are detokenized once, when they finish -----------------------
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+DELTA = RequestOutputKind.DELTA
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_model_dir)
+
+
+class _TokenMix:
+    """Random output ids that hit every corner of detokenization: bytes of characters
+    left unfinished, characters split over tokens, special and added tokens, EOS, ids
+    beyond the tokenizer (the model's vocabulary is larger), and plain text."""
+
+    def __init__(self, tok: Tokenizer, vocab_size: int, rng: random.Random) -> None:
+        self.rng = rng
+        plain = range(tok.vocab_size - len(tok.backend.get_added_tokens_decoder()))
+        # Tokens whose bytes end in the middle of a character.
+        self.unfinished = [i for i in plain if tok.decode([i]).endswith("\ufffd")]
+        self.plain = [i for i in plain if not tok.decode([i]).endswith("\ufffd")]
+        self.added = sorted(tok.backend.get_added_tokens_decoder())  # special or not
+        self.beyond = list(range(tok.vocab_size, vocab_size))
+        self.eos = list(tok.eos_token_ids)
+        # Multi-byte characters as the tokenizer splits them.
+        self.split = [ids for ids in (tok.encode(t) for t in ("é", "中文", "🦩", " 😀!", "ß∑"))
+                      if len(ids) > 1]
+
+    def sequence(self, length: int, stop_token_ids: list[int]) -> list[int]:
+        rng, ids = self.rng, []
+        while len(ids) < length:
+            r = rng.random()
+            if r < 0.3:
+                ids.append(rng.choice(self.unfinished))
+            elif r < 0.45:
+                ids += rng.choice(self.split)
+            elif r < 0.5:
+                ids.append(rng.choice(self.eos))
+            elif r < 0.6 and stop_token_ids:
+                ids.append(rng.choice(stop_token_ids))
+            elif r < 0.7:
+                ids.append(rng.choice(self.added))
+            elif r < 0.75:
+                ids.append(rng.choice(self.beyond))
+            else:
+                ids.append(rng.choice(self.plain))
+        return ids[:length]
+
+
+def test_final_text_replays_the_token_by_token_detokenizer(tok) -> None:
+    """`final_text` gives what `add_token` for each id (leaving out the last piece or
+    not), then `flush()` or not, gives, for random ids of every kind."""
+    mix = _TokenMix(tok, PRESETS["tiny"]["vocab_size"], random.Random(0))
+    seen = {"held then released": 0, "unfinished at the end": 0, "held bytes dropped": 0}
+    for _ in range(1500):
+        ids = mix.sequence(mix.rng.randint(1, 10), [])
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+            pieces = [detok.add_token(i) for i in ids]
+            flushed = detok.flush()
+            for drop_last, flush in itertools.product((False, True), (False, True)):
+                expected = "".join(pieces[:-1] if drop_last else pieces)
+                expected += flushed if flush else ""
+                got = detok.final_text(ids, drop_last=drop_last, flush=flush)
+                assert got == expected, (ids, skip, drop_last, flush)
+            seen["held then released"] += any(
+                p == "" and any(pieces[i + 1:]) for i, p in enumerate(pieces[:-1]))
+            seen["unfinished at the end"] += flushed.endswith("\ufffd")
+            seen["held bytes dropped"] += len(pieces[-1]) > len(tok.decode(ids[-1:], skip))
+        assert detok.output_token_ids == ids  # final_text replays, it does not record
+    assert all(seen.values()), seen
+
+
+def test_check_token_needs_no_text_and_refuses_stop_strings() -> None:
+    checker = StopChecker(SamplingParams(max_tokens=3, stop_token_ids=[7], min_tokens=1), [0])
+    assert [checker.check_token(t, n) for n, t in enumerate([7, 5], start=1)] == [False, False]
+    assert checker.check_token(7, 3) and checker.dropped_stop_token_text
+    assert (checker.finish_reason, checker.stop_reason) == ("stop", 7)
+    with pytest.raises(RuntimeError, match="finished"):
+        checker.check_token(5, 4)
+    with pytest.raises(ValueError, match="stop strings"):
+        StopChecker(SamplingParams(stop=["x"]), [0]).check_token(5, 1)
+
+
+def _random_params(rng: random.Random, mix: _TokenMix) -> SamplingParams:
+    max_tokens = rng.randint(1, 10)
+    stop_token_ids = rng.sample(mix.unfinished + mix.plain[:50] + mix.added, rng.randint(0, 2))
+    return SamplingParams(
+        n=rng.choice([1, 1, 2, 3]), max_tokens=max_tokens,
+        min_tokens=rng.choice([0, 0, min(2, max_tokens)]),
+        ignore_eos=rng.random() < 0.2, skip_special_tokens=rng.random() < 0.6,
+        include_stop_str_in_output=rng.random() < 0.3, stop_token_ids=stop_token_ids,
+        stop=rng.choice([["e"], ["\ufffd", "ab"]]) if rng.random() < 0.15 else None,
+    )
+
+
+def _feed(engine: LLMEngine, tokens: dict[str, list[list[int]]],
+          ends: dict[str, tuple[str, int]]) -> dict[str, RequestOutput]:
+    """Run requests as the engine would, one step at a time, with `tokens[id][i]` as the
+    sampled ids of completion `i`; at step `ends[id][1]` abort or fail the request.
+
+    Returns each request's outputs, deltas folded together as `LLM.generate` does.
+    """
+    results: dict[str, RequestOutput] = {}
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.request_id in results:
+                results[out.request_id].add(out)
+            else:
+                results[out.request_id] = out
+
+    for step in itertools.count():
+        for rid, (how, at) in ends.items():
+            if at == step and rid in engine._groups:
+                if how == "abort":
+                    collect(engine.abort_request([rid]))
+                else:
+                    ids = [c.request.request_id for c in engine._groups[rid].completions]
+                    collect(engine._fail(ids, "injected"))
+        rows, sampled = [], []
+        for rid, group in engine._groups.items():
+            for c in group.completions:
+                if c.finish_reason is None:
+                    rows.append((group, c, c.request.append_placeholder_token()))
+                    sampled.append(tokens[rid][c.index][step])
+        if not rows:
+            return results
+        host = llm_engine._HostCopy(SamplerOutput(torch.tensor(sampled)))
+        collect(engine._process(llm_engine._Step(rows, host, {}, None, False)))
+
+
+def test_text_decoded_at_end_equals_the_streamed_text(tok, tiny_model_dir) -> None:
+    """The same random token streams through a streamed (DELTA) request and a
+    final-only one: the same text, token ids, finish and stop reasons in every
+    case (EOS, stop token ids kept or not, length, min_tokens, ignore_eos, special
+    tokens kept or skipped, n > 1, the context filled, aborts and failures
+    mid-character), and the final-only ones without stop strings never touched the
+    incremental detokenizer."""
+    max_model_len = 24
+    engine = LLMEngine(EngineArgs(model=str(tiny_model_dir), **{
+        **ENGINE_ARGS, "max_model_len": max_model_len}).create_engine_config())
+    rng = random.Random(1)
+    mix = _TokenMix(tok, engine.vocab_size, rng)
+    tokens: dict[str, list[list[int]]] = {}
+    ends: dict[str, tuple[str, int]] = {}
+    deferred: list = []  # the final-only completions detokenized at the end
+    all_params = []
+    for i in range(300):
+        params = _random_params(rng, mix)
+        prompt = [rng.randrange(engine.vocab_size) for _ in range(rng.randint(1, 8))]
+        if i % 10 == 9:  # no max_tokens: the full context ends it (the engine's own check)
+            params = params.replace(max_tokens=None, min_tokens=0)
+            prompt = [rng.randrange(engine.vocab_size) for _ in range(rng.randint(12, 20))]
+        all_params.append(params)
+        length = params.max_tokens or max_model_len - len(prompt)
+        streams = [mix.sequence(length, params.stop_token_ids) for _ in range(params.n)]
+        end = (rng.choice(["abort", "fail"]), rng.randint(0, length)) \
+            if rng.random() < 0.2 else ("", -1)
+        for kind in (DELTA, FINAL_ONLY):
+            rid = f"{kind.name}-{i}"
+            # Past `process_inputs`, which would cap max_tokens at what fits.
+            engine.add_processed_request(llm_engine.ProcessedRequest(
+                rid, None, prompt, params.replace(output_kind=kind), 0, time.monotonic()))
+            tokens[rid], ends[rid] = streams, end
+            completions = engine._groups[rid].completions
+            assert all(c.text_at_end == (kind == FINAL_ONLY and not params.stop)
+                       for c in completions)
+            deferred += [c for c in completions if c.text_at_end]
+    results = _feed(engine, tokens, ends)
+    assert not engine.has_unfinished_requests()
+
+    def summary(out: RequestOutput) -> list[tuple]:
+        return sorted((c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                      for c in out.outputs)
+
+    seen = set()
+    for i, params in enumerate(all_params):
+        streamed, final = results[f"DELTA-{i}"], results[f"FINAL_ONLY-{i}"]
+        assert summary(final) == summary(streamed), i
+        for c in final.outputs:
+            seen.add((c.finish_reason, type(c.stop_reason).__name__))
+            if params.max_tokens is None and c.finish_reason == "length":
+                assert len(final.prompt_token_ids) + len(c.token_ids) == max_model_len
+                seen.add("context full")
+            if c.text.endswith("\ufffd"):
+                seen.add("ends mid-character")
+            if (c.finish_reason == "stop" and not params.stop
+                    and not params.include_stop_str_in_output
+                    and c.text != tok.decode(c.token_ids[:-1], params.skip_special_tokens)):
+                seen.add("the stop token's text held earlier bytes, dropped with it")
+    assert seen >= {("stop", "NoneType"), ("stop", "int"), ("stop", "str"),
+                    ("length", "NoneType"), ("abort", "NoneType"), ("error", "NoneType"),
+                    "context full", "ends mid-character",
+                    "the stop token's text held earlier bytes, dropped with it"}, seen
+    assert deferred and all(not c.detokenizer.output_token_ids for c in deferred)
+
+
+async def _collect_by_index(engine: AsyncLLM, prompt, params) -> list[tuple]:
+    """A stream's completions: (index, text, token ids, finish reason, stop reason)."""
+    got: dict[int, list] = {}
+    async for out in engine.generate(prompt, params):
+        for c in out.outputs:
+            entry = got.setdefault(c.index, [c.index, "", [], None, None])
+            entry[1] += c.text
+            entry[2] += c.token_ids
+            if c.finish_reason is not None:
+                entry[3], entry[4] = c.finish_reason, c.stop_reason
+    return sorted(tuple(e) for e in got.values())
+
+
+def test_generate_texts_match_streamed_texts(engine, offline, monkeypatch) -> None:
+    """`LLM.generate` (final-only: decoded at the end unless stop strings need the
+    text) and streams give the same texts on the model's own random output."""
+    encode = offline.engine.tokenizer.encode
+    prompts = [f"Text check {i}: les élèves 中文 🦩" for i in range(10)]
+    params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=12 + 2 * i,
+                             min_tokens=i % 3, n=2 if i % 4 == 3 else 1,
+                             stop=["ão", " end"] if i % 3 == 0 else None,
+                             stop_token_ids=encode(" takes") + encode(" end") if i % 4 == 1
+                             else None,
+                             skip_special_tokens=i % 2 == 0,
+                             include_stop_str_in_output=i % 5 == 2)
+              for i in range(len(prompts))]
+    detokenized = set()  # the prompts of the requests detokenized token by token
+    add_token = IncrementalDetokenizer.add_token
+
+    def spy(self, token_id):
+        detokenized.add(tuple(self.prompt_token_ids))
+        return add_token(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", spy)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert detokenized == {tuple(encode(p)) for p, sp in zip(prompts, params) if sp.stop}
+
+    async def main():
+        return await asyncio.gather(*[_collect_by_index(engine, p, sp)
+                                      for p, sp in zip(prompts, params)])
+
+    for got, exp in zip(asyncio.run(main()), expected):
+        assert got == sorted((c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                             for c in exp.outputs)
+    endings = {(c.finish_reason, type(c.stop_reason).__name__)
+               for e in expected for c in e.outputs}
+    assert endings >= {("stop", "str"), ("stop", "int"), ("length", "NoneType")}, endings
