@@ -1,5 +1,7 @@
 """Phase 9: the fused layer kernels (norms, q/k-norm + RoPE, SiLU·mul) against their references,
-and q/k-norm + RoPE with the KV-cache write fused in against the two-kernel path."""
+q/k-norm + RoPE with the KV-cache write fused in against the two-kernel path, and the
+decode kernel's prologue (q/k-norm + RoPE and the cache write inside the attention)
+against q/k-norm + RoPE then attention."""
 
 from __future__ import annotations
 
@@ -416,11 +418,210 @@ def test_model_cache_write_fusion_changes_no_bit(tiny_model_dir, monkeypatch):
                 ids = logits[-1][-1:].argmax(dim=-1)
         return logits, kv
 
+    backend.fuse_qk_norm_rope = False  # decode steps too through qk_norm_rope, not the prologue
     fused_logits, fused_kv = generate()
     assert not writes  # every layer's K/V went in with q/k-norm + RoPE
     monkeypatch.setattr(backend, "write_impl", "torch")  # no fused write: attention writes
     logits, kv = generate()
     assert writes == [prompt_len] * config.num_hidden_layers + [1] * (
+        steps * config.num_hidden_layers)
+    for got, want in zip(fused_logits, logits):
+        assert torch.equal(got, want)
+    for (k_got, v_got), (k_want, v_want) in zip(fused_kv, kv):
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+# --- q/k-norm + RoPE inside the decode kernel (the decode prologue) ----------------------
+
+def _prologue_args(t: int = 3, hq: int = 4, hkv: int = 2, d: int = 64,
+                   device: str = "cpu") -> dict:
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    return {"qkv": torch.randn(t, (hq + 2 * hkv) * d, **bf16), "q_weight": torch.ones(d, **bf16),
+            "k_weight": torch.ones(d, **bf16), "cos_sin_cache": torch.randn(16, d, device=device),
+            "slot_mapping": torch.arange(t, device=device), "num_q_heads": hq,
+            "num_kv_heads": hkv, "head_dim": d, "eps": 1e-6}
+
+
+def test_decode_prologue_rejects_bad_arguments():
+    args = _prologue_args()
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        layer_ops.decode_prologue(**{**args, "slot_mapping": torch.arange(2)})
+    with pytest.raises(ValueError, match="head_dim 256 is not supported"):
+        layer_ops.decode_prologue(**_prologue_args(d=256))
+    with pytest.raises(ValueError, match="qkv: shape"):
+        layer_ops.decode_prologue(**{**args, "num_q_heads": 2})
+    with pytest.raises(ValueError, match="residual has 2 rows"):
+        layer_ops.decode_prologue(**args, residual=torch.randn(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="CUDA device"):  # the arguments are right
+        layer_ops.decode_prologue(**args)
+
+
+def test_paged_decode_attention_checks_the_prologue_against_its_query():
+    args = _prologue_args()
+    qkv, hq, d = args["qkv"], args["num_q_heads"], args["head_dim"]
+    prologue = layer_ops.DecodePrologue(qkv, hq, args["num_kv_heads"], d, {}, handle=None)
+    cache = torch.zeros(4, 16, args["num_kv_heads"], d, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, dtype=torch.int32)
+    query = qkv[:, :hq * d].view(3, hq, d)
+    with pytest.raises(ValueError, match="only version 7"):
+        ops.paged_decode_attention(query, cache, cache, tables, lens, 0.1, 16, version=5,
+                                   prologue=prologue)
+    with pytest.raises(ValueError, match="query must be the q heads"):
+        ops.paged_decode_attention(query.clone(), cache, cache, tables, lens, 0.1, 16,
+                                   prologue=prologue)
+    with pytest.raises(ValueError, match="built for 4 q / 2 KV heads"):
+        wide = torch.zeros(4, 16, 1, 2 * d, dtype=torch.bfloat16)
+        ops.paged_decode_attention(qkv[:, :2 * d].view(3, 1, 2 * d), wide, wide, tables, lens,
+                                   0.1, 16, prologue=prologue)
+
+
+def test_backend_takes_the_prologue_in_decode_steps_only():
+    from mini_vllm.cuda_backend import CudaAttentionBackend, CudaAttentionMetadata
+
+    backend = CudaAttentionBackend(torch.bfloat16, 128, "cpu", use_kernels=True)
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+
+    def meta(num_decodes: int, split: object = None) -> CudaAttentionMetadata:
+        z = torch.zeros(1, dtype=torch.int32)
+        return CudaAttentionMetadata(slot_mapping=z, query_start_loc=z, context_lens=z,
+                                     block_tables=z, max_query_len=1, max_context_len=1,
+                                     query_start_loc_cpu=[0], context_lens_cpu=[1],
+                                     num_decodes=num_decodes, split=split)
+
+    assert backend.takes_decode_prologue(meta(5), 5, cache)
+    assert not backend.takes_decode_prologue(meta(4), 5, cache)  # a prompt in the step
+    assert not backend.takes_decode_prologue(meta(5, split=object()), 5, cache)  # piecewise
+    assert not backend.takes_decode_prologue(meta(5), 5, cache[:, :8])  # blocks of 8: version 5
+    backend.prologue_max_seqs = 4
+    assert not backend.takes_decode_prologue(meta(5), 5, cache)  # a large batch
+    backend.prologue_max_seqs = 5
+    backend.fuse_qk_norm_rope = False
+    assert not backend.takes_decode_prologue(meta(5), 5, cache)
+
+
+def _decode_batch(ctx: list[int], block_size: int, hkv: int, d: int, dtype: torch.dtype,
+                  gen: torch.Generator) -> tuple:
+    """Random caches and block tables (scattered) for sequences of `ctx` tokens, the
+    newest one's slot and position; a context of 0 is a padding row (slot -1)."""
+    dev = "cuda"
+    width = max(1, max((c + block_size - 1) // block_size for c in ctx))
+    num_blocks = len(ctx) * width + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[:len(ctx) * width] + 1).view(
+        len(ctx), width).to(torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    newest = (lens - 1).clamp(min=0).long()
+    slots = tables.gather(1, (newest // block_size)[:, None]).squeeze(1).long() * block_size \
+        + newest % block_size
+    slots[lens == 0] = -1
+    caches = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dev, dtype)
+    return (tables.to(dev), lens.to(dev), newest.to(dev), slots.to(dev), caches[0], caches[1],
+            max(ctx))
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (8, 2, 64)])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("case", ["mixed", "long", "splits", "shared_kv_head"])
+def test_decode_prologue_changes_no_bit(dtype, hq, hkv, d, scaled, case):
+    """The decode kernel with its prologue against qk_norm_rope (with its cache write)
+    then the same kernel without: the same output and the same caches, bit for bit, and
+    qkv left as it was. `mixed`: 1 to 700 tokens and padding rows at 16-token blocks;
+    `long`: 3,000-token contexts (split-K, the newest in the last split); `splits`:
+    partitions of 64 tokens forced; `shared_kv_head`: one q head per CTA, so several
+    CTAs store the same new k and v."""
+    cases = ["mixed", "long", "splits", "shared_kv_head"]
+    gen = torch.Generator(device="cpu").manual_seed(1000 * hq + d + 7 * scaled + cases.index(case))
+    block_size, kw = 16, {}
+    if case == "mixed":
+        ctx = torch.randint(1, 700, (37,), generator=gen).tolist() + [0, 1, 16, 17]
+    elif case == "long":
+        ctx, block_size = torch.randint(2900, 3100, (3,), generator=gen).tolist(), 32
+    elif case == "splits":
+        ctx, kw = torch.randint(100, 400, (9,), generator=gen).tolist(), {"partition_size": 64}
+    else:
+        ctx, kw = torch.randint(1, 300, (11,), generator=gen).tolist(), {"group_per_cta": 1}
+    tables, lens, positions, slots, k_cache, v_cache, max_ctx = _decode_batch(
+        ctx, block_size, hkv, d, dtype, gen)
+    n, dev = len(ctx), "cuda"
+    rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(dev, dtype)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+    k_w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dev, dtype)
+    residual = (3 * torch.randn(n, 1024, generator=gen)).to(dev, dtype) if scaled else None
+    norm = {"residual": residual, "residual_eps": 1e-5} if scaled else {}
+    scale = d ** -0.5
+
+    qkv_two, k_two, v_two = qkv.clone(), k_cache.clone(), v_cache.clone()
+    layer_ops.qk_norm_rope(qkv_two, qw, k_w, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
+                           kv_cache=(k_two, v_two), slot_mapping=slots, **norm)
+    out_two = ops.paged_decode_attention(qkv_two[:, :hq * d].view(n, hq, d), k_two, v_two,
+                                         tables, lens, scale, max_ctx, **kw)
+
+    qkv_one, k_one, v_one = qkv.clone(), k_cache.clone(), v_cache.clone()
+    prologue = layer_ops.decode_prologue(qkv_one, qw, k_w, rope.cos_sin_cache, slots, hq, hkv,
+                                         d, 1e-6, **norm)
+    out = torch.full((n, hq, d), float("nan"), device=dev, dtype=dtype)  # poisoned
+    ops.paged_decode_attention(qkv_one[:, :hq * d].view(n, hq, d), k_one, v_one, tables, lens,
+                               scale, max_ctx, out=out, prologue=prologue, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(qkv_one, qkv)  # the prologue works on copies
+    assert torch.equal(k_one, k_two) and torch.equal(v_one, v_two)
+    assert not torch.equal(k_one, k_cache)  # the new tokens were stored
+    assert torch.equal(out, out_two)
+    assert not out[lens.cpu() == 0].any()  # padding rows: zeros
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_model_decode_prologue_changes_no_bit(tiny_model_dir, monkeypatch):
+    """The bf16 model on the CUDA backend, decode steps with the prologue and without:
+    the same logits and caches, bit for bit, and q/k-norm + RoPE launched only for the
+    prompt when the prologue is on."""
+    from mini_vllm.checkpoint import make_model
+    from mini_vllm.cuda_backend import CudaAttentionBackend
+    from mini_vllm.models.loader import load_weights
+
+    path = make_model(tiny_model_dir.parent / "prologue-128", preset="tiny",
+                      overrides={"head_dim": 128})
+    config = ModelConfig.from_pretrained(path)
+    dev, dtype, block, prompt_len, steps = "cuda", torch.bfloat16, 16, 12, 6
+    backend = CudaAttentionBackend(dtype, config.head_dim, dev, use_kernels=True)
+    model = Qwen3ForCausalLM(config, backend, device=dev, dtype=dtype, use_kernels=True)
+    load_weights(model, path)
+    launches: list[int] = []
+    qk_norm_rope = layer_ops.qk_norm_rope
+
+    def spy(qkv: torch.Tensor, *args: object, **kw: object) -> None:
+        launches.append(qkv.shape[0])
+        qk_norm_rope(qkv, *args, **kw)
+
+    monkeypatch.setattr(layer_ops, "qk_norm_rope", spy)
+
+    def generate() -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        shape = (4, block, config.num_key_value_heads, config.head_dim)
+        kv = [(torch.zeros(shape, device=dev, dtype=dtype),
+               torch.zeros(shape, device=dev, dtype=dtype))
+              for _ in range(config.num_hidden_layers)]
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        ids = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).to(dev)
+        logits, start = [], 0
+        with torch.no_grad():
+            for _ in range(steps + 1):
+                h = model(ids, torch.arange(start, start + len(ids), device=dev), kv,
+                          _one_sequence_meta(start, len(ids), dev))
+                logits.append(model.compute_logits(h))
+                start += len(ids)
+                ids = logits[-1][-1:].argmax(dim=-1)
+        return logits, kv
+
+    fused_logits, fused_kv = generate()
+    assert launches == [prompt_len] * config.num_hidden_layers  # the decode steps: none
+    launches.clear()
+    backend.fuse_qk_norm_rope = False
+    logits, kv = generate()
+    assert launches == [prompt_len] * config.num_hidden_layers + [1] * (
         steps * config.num_hidden_layers)
     for got, want in zip(fused_logits, logits):
         assert torch.equal(got, want)
