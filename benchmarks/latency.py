@@ -26,8 +26,6 @@ On a GPU (random Qwen3-0.6B weights, bf16; each backend in its own process):
     python benchmarks/latency.py --backends mini-vllm --prompt-lens 128 2048 --output-len 256
     python benchmarks/latency.py --backends mini-vllm --max-piecewise-graph-tokens 0 \
         --output benchmarks/results/latency_eager_prefill.json   # prefills without graphs
-    python benchmarks/latency.py --backends mini-vllm --no-fuse-qk-norm-rope \
-        --output benchmarks/results/latency_unfused_qk_norm_rope.json   # decode without the prologue
 
 On a CPU (a smoke run of the tiny model):
 
@@ -117,9 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=None,
                    help="mini-vllm: prefills of up to this many tokens replay piecewise "
                         "CUDA graphs (0: eager prefills; default: the engine's)")
-    p.add_argument("--fuse-qk-norm-rope", action=argparse.BooleanOptionalAction, default=True,
-                   help="mini-vllm: decode steps leave q/k-norm + RoPE to the attention "
-                        "kernel (--no-fuse-qk-norm-rope: a launch of its own)")
     p.add_argument("--hf-attn-implementation", default="sdpa",
                    help="transformers' attention implementation")
     p.add_argument("--worker", default=None, choices=BACKENDS, help=argparse.SUPPRESS)
@@ -139,9 +134,7 @@ def mini_vllm_request_fn(model_dir: str, ns: argparse.Namespace) -> tuple[Reques
     """Build the engine; return a function that runs one request through its step loop,
     noting when each token comes out, and the model's vocabulary size."""
     from mini_vllm import LLM, SamplingParams
-    from mini_vllm.cuda_backend import CudaAttentionBackend
 
-    CudaAttentionBackend.fuse_qk_norm_rope = ns.fuse_qk_norm_rope
     kwargs: dict[str, Any] = {
         "device": ns.device, "dtype": ns.dtype, "max_model_len": ns.max_model_len,
         "gpu_memory_utilization": ns.gpu_memory_utilization,

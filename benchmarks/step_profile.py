@@ -17,8 +17,6 @@ Two views of a decode step of `--batch` sequences with `--context` tokens each:
 
     python benchmarks/step_profile.py                          # batch 256, context 1024
     python benchmarks/step_profile.py --batch 1 --no-engine    # latency view
-    python benchmarks/step_profile.py --batch 256 --no-engine --prologue-max-seqs 256
-                                     # the decode prologue where the engine would not use it
 
 With `--postprocess`, only that host work after the sampler (`LLMEngine._process`),
 for final-only requests (what `LLM.generate` sends) detokenized token by token and
@@ -200,10 +198,6 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
             # The same graph captured with every kernel launched plainly.
             result["graph_replay_gpu_ms_without_pdl"] = recaptured_replay_ms(
                 without_programmatic_launch())
-        if runner.graph_runner is not None and _takes_prologue(runner, graph_bs):
-            # The same graph with q/k-norm + RoPE in a launch of its own again.
-            result["graph_replay_gpu_ms_without_prologue"] = recaptured_replay_ms(
-                without_decode_prologue())
         if ops.is_available() and extension().wgmma_gemm_supported():
             # The same graph with every product of 17 to 256 rows cuBLAS's:
             # what gemm_wgmma buys at this batch (nothing above 64 rows).
@@ -442,27 +436,6 @@ def without_programmatic_launch() -> Iterator[None]:
         ops.set_programmatic_launch(True)
 
 
-def _takes_prologue(runner: ModelRunner, batch: int) -> bool:
-    """Whether a decode step of `batch` sequences leaves q/k-norm + RoPE to the decode kernel."""
-    from mini_vllm.cuda_backend import CudaAttentionBackend
-
-    backend = runner.model.model.layers[0].self_attn.attn.backend
-    return (isinstance(backend, CudaAttentionBackend) and backend.fuse_qk_norm_rope
-            and backend.decode_impl == "kernel" and batch <= backend.prologue_max_seqs)
-
-
-@contextlib.contextmanager
-def without_decode_prologue() -> Iterator[None]:
-    """Decode steps run q/k-norm + RoPE in a launch of its own inside the block."""
-    from mini_vllm.cuda_backend import CudaAttentionBackend
-
-    CudaAttentionBackend.fuse_qk_norm_rope = False
-    try:
-        yield
-    finally:
-        CudaAttentionBackend.fuse_qk_norm_rope = True
-
-
 @contextlib.contextmanager
 def without_wgmma_gemm() -> Iterator[None]:
     """Let the model send no product to `gemm_wgmma` (cuBLAS takes them) inside the block."""
@@ -482,9 +455,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--prologue-max-seqs", type=int, default=None,
-                   help="decode steps of up to this many sequences leave q/k-norm + RoPE to "
-                        "the decode kernel (default: the backend's prologue_max_seqs)")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="also profile LLMEngine.step()")
     p.add_argument("--postprocess", action="store_true",
@@ -500,10 +470,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA GPU")
-    if ns.prologue_max_seqs is not None:
-        from mini_vllm.cuda_backend import CudaAttentionBackend
-
-        CudaAttentionBackend.prologue_max_seqs = ns.prologue_max_seqs
     copy = measure_copy_bandwidth("cuda")
     bandwidth = copy["bandwidth_bytes_per_s"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -529,8 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
     print(f"RMSNorm variants (us per call): {runner['rms_norm_us']}")
     cols = ["batch", "context", "floor_ms", "graph_replay_gpu_ms",
-            "graph_replay_gpu_ms_without_pdl", "graph_replay_gpu_ms_without_prologue",
-            "graph_replay_gpu_ms_without_wgmma_gemm",
+            "graph_replay_gpu_ms_without_pdl", "graph_replay_gpu_ms_without_wgmma_gemm",
             "eager_forward_ms",
             "execute_host_ms", "sampling_metadata_ms", "sampler_host_ms", "sampler_gpu_ms",
             "sampler_torch_gpu_ms", "sampler_floor_ms", "wait_gpu_ms", "step_wall_ms"]

@@ -16,7 +16,6 @@ On a GPU (random Qwen3-0.6B weights, bf16; every backend in its own process):
     python benchmarks/throughput.py --backends mini-vllm --output benchmarks/results/mine.json
     python benchmarks/throughput.py --model ./qwen3      # a real checkpoint directory
     python benchmarks/throughput.py --breakdown          # + GPU time by step kind and kernel
-    python benchmarks/throughput.py --backends mini-vllm --no-fuse-qk-norm-rope  # an A/B
 
 Backends that are not installed (vllm, nano-vllm) are skipped with the reason; a backend
 that fails records its error in the JSON and the others still run.
@@ -125,10 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-model-len", type=int, default=4096)
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    eng.add_argument("--fuse-qk-norm-rope", action=argparse.BooleanOptionalAction, default=True,
-                     help="mini-vllm: decode steps leave q/k-norm + RoPE to the attention "
-                          "kernel (--no-fuse-qk-norm-rope: a launch of its own, to measure "
-                          "the fusion)")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=None, help="default: the engine's")
@@ -162,9 +157,7 @@ def _warmup_prompt(vocab_size: int) -> list[int]:
 def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) -> dict[str, Any]:
     """Time `LLM.generate` over the whole workload (after one warm-up request)."""
     from mini_vllm import LLM, SamplingParams
-    from mini_vllm.cuda_backend import CudaAttentionBackend
 
-    CudaAttentionBackend.fuse_qk_norm_rope = ns.fuse_qk_norm_rope
     llm = LLM(model_dir, **_engine_kwargs(ns))
     vocab = llm.engine.config.model_config.vocab_size
 

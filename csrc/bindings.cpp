@@ -33,7 +33,7 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
             int64_t q_stride, int max_context_len, int partition_size, int max_splits,
             float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
             int heads_per_cta, int stages, std::uintptr_t counters, std::uintptr_t seq_order,
-            int64_t num_blocks, const DecodePrologue* prologue) {
+            int64_t num_blocks) {
   DecodeParams p;
   p.out = as_ptr<void>(out);
   p.q = as_ptr<const void>(q);
@@ -62,12 +62,6 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
   p.cluster = cluster;
   p.heads_per_cta = heads_per_cta;
   p.stages = stages;
-  if (prologue != nullptr) {
-    if (version != 7) throw std::invalid_argument("only version 7 runs a decode prologue");
-    p.prologue = *prologue;
-    p.prologue.k_cache = as_ptr<void>(k_cache);
-    p.prologue.v_cache = as_ptr<void>(v_cache);
-  }
   if (num_seqs == 0) return;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) {
     throw std::invalid_argument("num_q_heads must be a positive multiple of num_kv_heads");
@@ -103,33 +97,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("programmatic_launch", []() { return programmatic_launch_flag().load(); },
         "Whether programmatic dependent launch is on (it applies on sm_90+ only).");
 
-  // Opaque on the Python side: built by decode_prologue, passed to paged_attention_decode.
-  py::class_<DecodePrologue>(m, "DecodePrologue");
-  m.def(
-      "decode_prologue",
-      [](std::uintptr_t q_weight, std::uintptr_t k_weight, std::uintptr_t cos_sin_cache,
-         std::uintptr_t slot_mapping, std::uintptr_t residual, int hidden, float residual_eps,
-         float eps) {
-        DecodePrologue pre;
-        pre.q_weight = as_ptr<const void>(q_weight);
-        pre.k_weight = as_ptr<const void>(k_weight);
-        pre.cos_sin_cache = as_ptr<const float>(cos_sin_cache);
-        pre.slot_mapping = as_ptr<const int64_t>(slot_mapping);
-        pre.residual = as_ptr<const void>(residual);
-        pre.hidden = hidden;
-        pre.residual_eps = residual_eps;
-        pre.eps = eps;
-        if (pre.q_weight == nullptr || pre.k_weight == nullptr || pre.cos_sin_cache == nullptr ||
-            pre.slot_mapping == nullptr) {
-          throw std::invalid_argument("decode_prologue: a required pointer is null");
-        }
-        return pre;
-      },
-      "The q/k-norm + RoPE work version 7 does itself (see DecodePrologue).",
-      py::arg("q_weight"), py::arg("k_weight"), py::arg("cos_sin_cache"),
-      py::arg("slot_mapping"), py::arg("residual"), py::arg("hidden"), py::arg("residual_eps"),
-      py::arg("eps"));
-
   m.def("paged_attention_decode", &decode, "Paged decode attention (see DecodeParams).",
         py::arg("version"), py::arg("out"), py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
@@ -139,8 +106,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
         py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
         py::arg("heads_per_cta") = 0, py::arg("stages") = 0, py::arg("counters") = 0,
-        py::arg("seq_order") = 0, py::arg("num_blocks") = 0,
-        py::arg("prologue") = static_cast<const DecodePrologue*>(nullptr));
+        py::arg("seq_order") = 0, py::arg("num_blocks") = 0);
 
   m.def(
       "reshape_and_cache",

@@ -23,13 +23,22 @@
 // reduction differs, so outputs match the reference to within one rounding.
 #include <algorithm>
 
+// --8<-- [start:rounding]
 #include "common.cuh"
 #include "layer_params.h"
 #include "pdl.cuh"
-#include "qk_norm_rope.cuh"  // round_to and the per-head norm + RoPE
 
 namespace mini_vllm {
 namespace {
+
+// --8<-- [start:round_to]
+// Round a float to the storage type and back: what one eager torch op does.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return TypeTraits<T>::to_float(TypeTraits<T>::from_float(x));
+}
+// --8<-- [end:round_to]
+// --8<-- [end:rounding]
 
 template <typename T>
 __device__ __forceinline__ void pack8(const float (&f)[8], uint4& v) {
@@ -113,17 +122,19 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // --8<-- [start:qk_norm_rope]
 // One warp per (token, head) of q and k, in place in the fused qkv output; a
 // block holds the heads of one token, or a group of them past 32 heads
-// (blockIdx.x the token, blockIdx.y the group). The arithmetic of a head is
-// in qk_norm_rope.cuh (norm_rope_head), shared with the decode kernel's
-// prologue.
+// (blockIdx.x the token, blockIdx.y the group). Lane l owns the rotary pairs
+// (i, i + D/2) for i = l, l + 32, ...: both halves of a pair meet in one
+// thread, so the rotation needs no shuffle.
+//   torch reference, per head:  y = round(w * round(x * inv_rms))
+//                               c, s = round(cos), round(sin)
+//   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))
 // With CACHE, the warp of k head h also does reshape_and_cache's work for
 // that head: it stores the values it writes back into qkv in slot
 // slot_mapping[token] of the K cache (the same bits, nothing rounded again)
 // and copies v head h into the V cache; slot < 0 (a padding token) is skipped.
 // With SCALED (folded norms), q, k and v first become round(x * s) with s the
-// token's 1 / rms of `residual` (each warp sums the row itself: the same
-// bits as the decode prologue's), the k-head warps scale their v head too and
-// write it back into qkv (and the cache).
+// token's 1 / rms of `residual`: the block computes s once, the k-head warps
+// scale their v head too and write it back into qkv (and the cache).
 template <typename T, int D, bool CACHE, bool SCALED>
 __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     T* __restrict__ qkv, T* __restrict__ k_cache, T* __restrict__ v_cache,
@@ -131,16 +142,22 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     const T* __restrict__ k_weight, const float* __restrict__ cos_sin_cache,
     const int64_t* __restrict__ positions, const T* __restrict__ residual, int hidden,
     float residual_eps, int num_q_heads, int num_kv_heads, int64_t token_stride, float eps) {
-  constexpr int PAIRS = D / 64;  // rotary pairs per lane
+  constexpr int HALF = D / 2;
+  constexpr int PAIRS = HALF / 32;  // pairs per lane
   const int token = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int heads = num_q_heads + num_kv_heads;
-  const int head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+  // Warps past the last head (the last group of a head count that does not
+  // divide evenly) load head 0 with the others, join the block's sum of the
+  // residual, and leave before storing anything.
+  const int warp_head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+  const bool active = warp_head < heads;
+  const int head = active ? warp_head : 0;
   pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
   pdl_wait();
-  if (head >= heads) return;  // the last group of a head count that does not divide evenly
   const bool is_q = head < num_q_heads;
   T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
+  const T* w = is_q ? q_weight : k_weight;
   // Where this head goes in each cache ([num_blocks * block_size, num_kv_heads,
   // D] seen flat), or -1: a q head, a padding token, or no CACHE.
   int64_t cache_off = -1;
@@ -151,8 +168,13 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
   // Scaled, the v head of every k-head warp is rewritten; else only copied to the cache.
   const bool has_v = !is_q && (SCALED || cache_off >= 0);
 
+  const float* cs = cos_sin_cache + positions[token] * D;  // [cos (D/2) | sin (D/2)]
   float a[PAIRS], b[PAIRS];
-  load_head_pairs<T, D>(x, lane, a, b);
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    a[p] = TypeTraits<T>::to_float(x[lane + p * 32]);
+    b[p] = TypeTraits<T>::to_float(x[lane + p * 32 + HALF]);
+  }
   // v head h (num_kv_heads heads past k head h), loaded with k rather than
   // after it: one trip to memory fewer on the warp's path.
   constexpr int VN = CACHE || SCALED ? D / 32 : 1;
@@ -162,9 +184,14 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     for (int j = 0; j < VN; ++j) v[j] = x[num_kv_heads * D + lane + j * 32];
   }
   if constexpr (SCALED) {  // the residual's row is read while the loads above are on their way
-    const float scale = warp_row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden,
-                                            hidden, residual_eps);
-    scale_head_pairs<T, D>(a, b, scale);
+    __shared__ float scratch[32];
+    const float scale = row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden, hidden,
+                                       residual_eps, scratch);
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+      a[p] = round_to<T>(a[p] * scale);
+      b[p] = round_to<T>(b[p] * scale);
+    }
     if (has_v) {
 #pragma unroll
       for (int j = 0; j < VN; ++j) {
@@ -172,13 +199,27 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
       }
     }
   }
-  NormRopeConsts<T, D> consts;
-  consts.load_weight(is_q ? q_weight : k_weight, lane);
-  consts.load_rope(cos_sin_cache + positions[token] * D, lane);
-  T lo[PAIRS], hi[PAIRS];
-  norm_rope_head<T, D>(a, b, consts, eps, lo, hi);
-  store_head_pairs<T, D>(x, lane, lo, hi);
-  if (CACHE && cache_off >= 0) store_head_pairs<T, D>(k_cache + cache_off, lane, lo, hi);
+  if (!active) return;
+  float sumsq = 0.f;
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
+  const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
+#pragma unroll
+  for (int p = 0; p < PAIRS; ++p) {
+    const int i = lane + p * 32;
+    const float y1 = round_to<T>(TypeTraits<T>::to_float(w[i]) * round_to<T>(a[p] * inv_rms));
+    const float y2 =
+        round_to<T>(TypeTraits<T>::to_float(w[i + HALF]) * round_to<T>(b[p] * inv_rms));
+    const float c = round_to<T>(cs[i]), s = round_to<T>(cs[i + HALF]);
+    const T out1 = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
+    const T out2 = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+    x[i] = out1;
+    x[i + HALF] = out2;
+    if (CACHE && cache_off >= 0) {
+      k_cache[cache_off + i] = out1;
+      k_cache[cache_off + i + HALF] = out2;
+    }
+  }
   if (has_v) {
 #pragma unroll
     for (int j = 0; j < VN; ++j) {

@@ -18,34 +18,6 @@ enum class DType : int {
   kFloat32 = 2,  // cache write and gather only
 };
 
-// Version 7 only: Qwen3's q/k-norm + RoPE (and the folded input norm's scale)
-// done by the decode kernel itself, for a step of one new token per sequence,
-// instead of by a qk_norm_rope launch before it (chapter 9). `q` then points
-// at the raw q heads of each sequence's fused qkv row (q_stride its row
-// stride), its k and v heads after them. Each CTA normalises and rotates its
-// own q heads into shared memory; the CTA whose partition holds the newest
-// position also normalises and rotates the new k head, scales the v head, and
-// stores both in slot slot_mapping[seq] of the cache (slot < 0: not stored)
-// before it reads that position. The new token's position is its context
-// length - 1. The arithmetic is qk_norm_rope's, to the bit.
-//   q/k_weight     [head_dim]
-//   cos_sin_cache  [max_position, head_dim] float32: cos in the first half, sin in the second
-//   slot_mapping   [num_seqs] int64
-//   residual       [num_seqs, hidden] contiguous, or nullptr: q, k and v are first
-//                  multiplied by 1 / sqrt(mean(residual^2) + residual_eps)
-struct DecodePrologue {
-  const void* q_weight = nullptr;  // nullptr: no prologue, q is ready
-  const void* k_weight = nullptr;
-  const float* cos_sin_cache = nullptr;
-  const int64_t* slot_mapping = nullptr;
-  const void* residual = nullptr;
-  void* k_cache = nullptr;  // the cache, writable
-  void* v_cache = nullptr;
-  int hidden = 0;
-  float residual_eps = 1e-6f;
-  float eps = 1e-6f;
-};
-
 // Everything one paged decode-attention launch needs.
 //
 //   q            [num_seqs, num_q_heads, head_dim]     row stride q_stride (elements)
@@ -104,7 +76,6 @@ struct DecodeParams {
   int heads_per_cta = 0;
   // Versions 6 and 7: shared-memory stages of the cp.async ring (0: default).
   int stages = 0;
-  DecodePrologue prologue;
 };
 
 // One launcher per numbered version of the decode kernel (see the chapter).

@@ -287,16 +287,6 @@ class Attention(nn.Module):
         if not kv_written:
             self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
-
-    def forward_with_prologue(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                              prologue: object) -> torch.Tensor:
-        """Attend a decode step's raw queries `q [S, Hq, D]`, the q/k-norm + RoPE
-        and the cache write left to the decode kernel (`prologue`, built by
-        `layer_ops.decode_prologue`, only where the backend's
-        `takes_decode_prologue` agreed)."""
-        k_cache, v_cache = kv_cache
-        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                            prologue=prologue)
 # --8<-- [end:backend]
 
 

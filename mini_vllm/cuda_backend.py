@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from mini_vllm import ops
 from mini_vllm.attention import AttentionMetadata
-from mini_vllm.ops import layer_ops
 
 logger = logging.getLogger(__name__)
 
@@ -145,20 +144,9 @@ class CudaAttentionBackend:
     Attributes:
         write_impl / decode_impl: `"kernel"` or `"torch"`.
         prefill_impl: `"flash_varlen"` or `"sdpa"` (see `ops.prefill_backend`).
-        fuse_qk_norm_rope: let the decode kernel do a decode step's q/k-norm +
-            RoPE and cache write itself (`takes_decode_prologue`); on by
-            default (a class attribute: benchmarks turn it off to measure
-            what it buys).
     """
 
     name = "cuda"
-    fuse_qk_norm_rope = True
-    # The most sequences a decode step may have for its q/k-norm + RoPE to be
-    # left to the decode kernel. The prologue saves a launch but puts its loads
-    # on each CTA's path to its first K/V tile; measured on an H200 (chapter 9,
-    # `step_profile.py`), that pays while the step is short and costs once the
-    # KV stream saturates the memory system.
-    prologue_max_seqs = 16
 
     def __init__(
         self,
@@ -191,23 +179,6 @@ class CudaAttentionBackend:
         else:
             write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
 
-    # --8<-- [start:takes_prologue]
-    def takes_decode_prologue(self, meta: AttentionMetadata, num_tokens: int,
-                              k_cache: torch.Tensor) -> bool:
-        """Whether a step's q/k-norm + RoPE and cache write may be left to the
-        decode kernel (`layer_ops.decode_prologue`): a step of at most
-        `prologue_max_seqs` decodes only, attended by version 7, not cut into
-        piecewise graphs."""
-        if not (self.fuse_qk_norm_rope and self.decode_impl == "kernel"
-                and num_tokens <= self.prologue_max_seqs):
-            return False
-        if ops.default_decode_version(k_cache.shape[3], k_cache.shape[1]) != 7:
-            return False
-        if isinstance(meta, CudaAttentionMetadata):
-            return meta.split is None and meta.num_decodes == num_tokens
-        return meta.is_decode_only
-    # --8<-- [end:takes_prologue]
-
     # --8<-- [start:split]
     def paged_attention(
         self,
@@ -218,20 +189,8 @@ class CudaAttentionBackend:
         scale: float,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
-        prologue: layer_ops.DecodePrologue | None = None,
     ) -> torch.Tensor:
-        """Decodes through the decode kernel, the rest through prefill attention.
-
-        `prologue`: only where `takes_decode_prologue` said so; `q` is then raw.
-        """
-        if prologue is not None:
-            if not self.takes_decode_prologue(meta, q.shape[0], k_cache):
-                raise ValueError("prologue: this step cannot leave q/k-norm + RoPE to the "
-                                 "decode kernel (see takes_decode_prologue)")
-            return ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                _decode_bound(meta), seq_order=getattr(meta, "decode_order", None),
-                prologue=prologue)
+        """Decodes through the decode kernel, the rest through prefill attention."""
         if isinstance(meta, CudaAttentionMetadata) and meta.split is not None:
             return meta.split(self, q, k_cache, v_cache, scale, key, value)
         if not isinstance(meta, CudaAttentionMetadata):  # plain metadata: one path for all
@@ -280,13 +239,6 @@ class CudaAttentionBackend:
             query_start_loc_cpu=query_start_loc_cpu, context_lens_cpu=context_lens_cpu,
             key=key, value=value, backend=self.prefill_impl)
 # --8<-- [end:backend]
-
-
-def _decode_bound(meta: AttentionMetadata) -> int:
-    """The host-side bound of a decode-only step's context lengths."""
-    if isinstance(meta, CudaAttentionMetadata):
-        return meta.decode_max_context_len
-    return meta.max_context_len
 
 
 def select_attention_backend(

@@ -39,7 +39,6 @@
 #include "tensor_core_tile.cuh"
 #include "../cp_async.cuh"
 #include "../mma.cuh"
-#include "../qk_norm_rope.cuh"
 
 #include <algorithm>
 #include <type_traits>
@@ -67,89 +66,6 @@ constexpr int kV7Stages = 3;
 constexpr int kV7WideWarps = 4;
 constexpr int kV7WideStages = 2;
 constexpr int kV7WideMinCtasPerSm = 12;
-
-// --8<-- [start:prologue]
-// The decode prologue (DecodePrologue in params.h): the work of qk_norm_rope
-// for the step's one new token, done by the CTA that reads it. Its rows are
-// the CTA's GROUP q heads (into s_q, for the A operand) and, in the CTA whose
-// partition holds the newest position, the k head (norm + RoPE) and the v
-// head (the scale only), stored in the cache slot; warp w takes rows w,
-// w + WARPS, ... Every load is issued before the first sum, and the norm
-// weights and the position's cos/sin (`consts`, which no kernel of the step
-// writes) were loaded before the PDL wait. The barrier orders the stores
-// before the copies that read the newest position back: a CTA reads what it
-// wrote itself. (When several CTAs share a KV head, heads_per_cta < GROUP,
-// each stores the same bits.)
-template <typename T, int HEAD_DIM>
-struct PrologueConsts {
-  NormRopeConsts<T, HEAD_DIM> q, k;  // the same cos/sin in both
-  int64_t slot;                      // the new k and v's slot, or -1: not this CTA's
-};
-
-// The new token's position is its context length - 1 (a decode step): its
-// cos/sin row needs no load of `positions` first.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ PrologueConsts<T, HEAD_DIM> load_prologue_consts(
-    const DecodePrologue& pre, int seq, int newest, bool holds_newest, int lane) {
-  PrologueConsts<T, HEAD_DIM> c;
-  c.q.load_weight(static_cast<const T*>(pre.q_weight), lane);
-  c.q.load_rope(pre.cos_sin_cache + static_cast<int64_t>(newest) * HEAD_DIM, lane);
-  c.k = c.q;
-  c.k.load_weight(static_cast<const T*>(pre.k_weight), lane);
-  c.slot = holds_newest ? pre.slot_mapping[seq] : -1;
-  return c;
-}
-
-template <typename T, int HEAD_DIM, int GROUP, int WARPS>
-__device__ __forceinline__ void decode_prologue(const DecodeParams& p, int seq, int q_head0,
-                                                int kv_head,
-                                                const PrologueConsts<T, HEAD_DIM>& consts,
-                                                T* s_q) {
-  constexpr int PAIRS = HEAD_DIM / 64;
-  constexpr int PER_WARP = (GROUP + 2 + WARPS - 1) / WARPS;
-  const DecodePrologue& pre = p.prologue;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* row = static_cast<const T*>(p.q) + seq * p.q_stride;  // q heads | k heads | v heads
-  const int rows = GROUP + (consts.slot >= 0 ? 2 : 0);
-  auto head_of = [&](int r) {
-    return r < GROUP ? q_head0 + r : p.num_q_heads + (r - GROUP) * p.num_kv_heads + kv_head;
-  };
-  float a[PER_WARP][PAIRS], b[PER_WARP][PAIRS];
-#pragma unroll
-  for (int i = 0; i < PER_WARP; ++i) {
-    const int r = warp + i * WARPS;
-    if (r < rows) load_head_pairs<T, HEAD_DIM>(row + head_of(r) * HEAD_DIM, lane, a[i], b[i]);
-  }
-  const bool scaled = pre.residual != nullptr;
-  const float scale =
-      scaled ? warp_row_inv_rms<T>(static_cast<const T*>(pre.residual) +
-                                       static_cast<int64_t>(seq) * pre.hidden,
-                                   pre.hidden, pre.residual_eps)
-             : 1.f;
-  const int64_t cache_off = (consts.slot * p.num_kv_heads + kv_head) * HEAD_DIM;
-#pragma unroll
-  for (int i = 0; i < PER_WARP; ++i) {
-    const int r = warp + i * WARPS;
-    if (r >= rows) continue;
-    if (scaled) scale_head_pairs<T, HEAD_DIM>(a[i], b[i], scale);
-    T lo[PAIRS], hi[PAIRS];
-    if (r == GROUP + 1) {  // the v head: scaled (rounded once), or copied
-#pragma unroll
-      for (int j = 0; j < PAIRS; ++j) {
-        lo[j] = TypeTraits<T>::from_float(a[i][j]);
-        hi[j] = TypeTraits<T>::from_float(b[i][j]);
-      }
-      store_head_pairs<T, HEAD_DIM>(static_cast<T*>(pre.v_cache) + cache_off, lane, lo, hi);
-      continue;
-    }
-    norm_rope_head<T, HEAD_DIM>(a[i], b[i], r < GROUP ? consts.q : consts.k, pre.eps, lo, hi);
-    store_head_pairs<T, HEAD_DIM>(
-        r < GROUP ? s_q + r * HEAD_DIM : static_cast<T*>(pre.k_cache) + cache_off, lane, lo,
-        hi);
-  }
-  __syncthreads();  // s_q, and the new k and v in the cache, before anyone reads them
-}
-// --8<-- [end:prologue]
 
 // --8<-- [start:kernel]
 template <typename T, int HEAD_DIM, int GROUP, int WARPS, int STAGES>
@@ -201,15 +117,6 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   // filled here, while the kernel before this one (which may write the newest
   // K/V) drains; the rest, and Q (that kernel's output), after the wait.
   // --8<-- [start:early_fill]
-  // With a prologue, its constants too (the step's slots come from the same
-  // host copy as the table).
-  const bool prologue = p.prologue.q_weight != nullptr;
-  const int newest = ctx_entry - 1;  // the step's new token
-  PrologueConsts<T, HEAD_DIM> consts;
-  if (prologue && start < ctx) {
-    consts = load_prologue_consts<T, HEAD_DIM>(p.prologue, seq, newest,
-                                               newest >= start && newest < end, lane);
-  }
   int filled = 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -223,6 +130,11 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   }
   pdl_wait();
   // --8<-- [end:early_fill]
+  // Q of head g (a zero row past the group) as the A operand, 2 registers per kc.
+  uint32_t qa[KC][2];
+  load_q_operand<T, HEAD_DIM, GROUP>(
+      qa, static_cast<const T*>(p.q) + seq * p.q_stride + static_cast<int64_t>(q_head0) * HEAD_DIM,
+      lane);
   const int64_t out_row = static_cast<int64_t>(seq) * p.num_q_heads + q_head0;
   T* out = static_cast<T*>(p.out) + out_row * HEAD_DIM;
   if (ctx <= 0) {
@@ -230,18 +142,6 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     return;
   }
   if (start >= ctx) return;
-  // --8<-- [start:use_prologue]
-  const T* q_group =
-      static_cast<const T*>(p.q) + seq * p.q_stride + static_cast<int64_t>(q_head0) * HEAD_DIM;
-  if (prologue) {  // q/k-norm + RoPE here rather than in a launch before
-    __shared__ __align__(16) T s_q[GROUP * HEAD_DIM];
-    decode_prologue<T, HEAD_DIM, GROUP, WARPS>(p, seq, q_head0, kv_head, consts, s_q);
-    q_group = s_q;
-  }
-  // --8<-- [end:use_prologue]
-  // Q of head g (a zero row past the group) as the A operand, 2 registers per kc.
-  uint32_t qa[KC][2];
-  load_q_operand<T, HEAD_DIM, GROUP>(qa, q_group, lane);
   const int num_splits = (ctx + p.partition_size - 1) / p.partition_size;
 
   float m = -INFINITY, l = 0.0f, o[KC][4];

@@ -299,25 +299,13 @@ class Qwen3Attention(nn.Module):
         kv_written = False
         if self.use_kernels:  # norms + RoPE of every q and k head: one launch, in place
             cos_sin_cache, positions = rope
-            scale = ({"residual": scale_by[0], "residual_eps": scale_by[1]}
-                     if scale_by is not None else {})
-            # --8<-- [start:use_prologue]
-            takes_prologue = getattr(self.attn.backend, "takes_decode_prologue", None)
-            if takes_prologue is not None and takes_prologue(attn_metadata, t, kv_cache[0]):
-                # A decode step: the attention kernel norms, rotates and caches itself.
-                prologue = layer_ops.decode_prologue(
-                    qkv, self.q_norm.weight, self.k_norm.weight, cos_sin_cache,
-                    attn_metadata.slot_mapping, self.num_heads, self.num_kv_heads,
-                    self.head_dim, self.q_norm.eps, **scale)
-                q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
-                o = self.attn.forward_with_prologue(q, kv_cache, attn_metadata, prologue)
-                return o.reshape(t, self.q_size)
-            # --8<-- [end:use_prologue]
             # When the backend would write the cache with reshape_and_cache, this
             # launch stores k and v there as well: the same bytes, one launch fewer.
             kv_written = getattr(self.attn.backend, "write_impl", None) == "kernel"
             cache_write = ({"kv_cache": kv_cache, "slot_mapping": attn_metadata.slot_mapping}
                            if kv_written else {})
+            scale = ({"residual": scale_by[0], "residual_eps": scale_by[1]}
+                     if scale_by is not None else {})
             layer_ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos_sin_cache,
                                    positions, self.num_heads, self.num_kv_heads,
                                    self.head_dim, self.q_norm.eps, **cache_write, **scale)

@@ -31,7 +31,6 @@ from mini_vllm.ops.paged_attention import (
     DECODE_VERSIONS,
     DEFAULT_DECODE_VERSION,
     decode_partition_size,
-    default_decode_version,
     longest_first,
     paged_decode_attention,
 )
@@ -44,7 +43,6 @@ __all__ = [
     "DEFAULT_DECODE_VERSION",
     "PREFILL_BACKENDS",
     "decode_partition_size",
-    "default_decode_version",
     "gather_kv_cache",
     "gemv",
     "is_available",

@@ -7,8 +7,6 @@ the kernel on CUDA when the module is built and the reference otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -123,94 +121,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, residual
 
 
-def _check_norm_rope_args(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                          cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                          head_dim: int, head_dims: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """Check the arguments q/k-norm + RoPE shares with the decode prologue; returns the
-    tensors by name (for the device check)."""
-    check_tensor("qkv", qkv, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
-    check_tensor("q_weight", q_weight, ndim=1, dtypes=(qkv.dtype,))
-    check_tensor("k_weight", k_weight, ndim=1, dtypes=(qkv.dtype,))
-    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,))
-    if head_dim not in head_dims:
-        raise ValueError(f"head_dim {head_dim} is not supported {head_dims}")
-    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv: shape {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x "
-                         f"{num_kv_heads} dense heads of {head_dim}")
-    if q_weight.shape[0] != head_dim or k_weight.shape[0] != head_dim:
-        raise ValueError("q_weight and k_weight must have head_dim elements")
-    if cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
-    return {"qkv": qkv, "q_weight": q_weight, "k_weight": k_weight,
-            "cos_sin_cache": cos_sin_cache}
-
-
-def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int,
-                        tensors: dict[str, torch.Tensor]) -> None:
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
-                         f"{num_tokens} tokens")
-    tensors["slot_mapping"] = slot_mapping
-
-
-# --8<-- [start:decode_prologue]
-@dataclass(frozen=True)
-class DecodePrologue:
-    """q/k-norm + RoPE of a decode step, for `ops.paged_decode_attention` to do
-    itself (version 7) instead of `qk_norm_rope` in a launch of its own.
-
-    Built (and checked) by `decode_prologue`. The attention then takes the raw
-    q heads of `qkv` as its query; each of its CTAs normalises and rotates
-    its own q heads, and the one whose partition holds a sequence's newest
-    position also does the k head, scales the v head, and stores both in
-    slot `slot_mapping[s]` of the cache (slot < 0: not stored). The new
-    token's position is its context length - 1, as in every decode step. The
-    bits are those `qk_norm_rope(..., kv_cache=..., slot_mapping=...,
-    residual=...)` writes at those positions; `qkv` itself is left as it is.
-    """
-
-    qkv: torch.Tensor
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tensors: dict[str, torch.Tensor]  # every tensor it reads, by name (for the device check)
-    handle: object  # the extension's DecodePrologue: the pointers and constants
-
-
-def decode_prologue(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                    cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
-                    num_kv_heads: int, head_dim: int, eps: float, *,
-                    residual: torch.Tensor | None = None,
-                    residual_eps: float = 1e-6) -> DecodePrologue:
-    """The arguments of `qk_norm_rope` (with a cache write) for one new token per
-    sequence, checked and packed for `ops.paged_decode_attention(prologue=...)`.
-
-    Args:
-        qkv: [S, (Hq + 2 * Hkv) * D] output of the fused projection, one row per
-            sequence, rows 16-byte aligned.
-        q_weight, k_weight, cos_sin_cache, eps, residual, residual_eps: as for
-            `qk_norm_rope` (the positions are the context lengths - 1).
-        slot_mapping: [S] int64, each new token's cache slot (< 0: not stored).
-
-    Raises:
-        ValueError: on a wrong dtype, shape, layout or device (named).
-    """
-    tensors = _check_norm_rope_args(qkv, q_weight, k_weight, cos_sin_cache, num_q_heads,
-                                    num_kv_heads, head_dim, (64, 128))
-    if (qkv.stride(0) * qkv.element_size()) % 16 or qkv.data_ptr() % 16:
-        raise ValueError("qkv: rows must start 16-byte aligned")
-    _check_slot_mapping(slot_mapping, qkv.shape[0], tensors)
-    residual_ptr, hidden, residual_eps = _residual_args(residual, residual_eps, qkv.shape[0],
-                                                        qkv.dtype, tensors)
-    check_same_device(**tensors)
-    handle = extension().decode_prologue(
-        q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
-        slot_mapping.data_ptr(), residual_ptr, hidden, residual_eps, eps)
-    return DecodePrologue(qkv, num_q_heads, num_kv_heads, head_dim, tensors, handle)
-# --8<-- [end:decode_prologue]
-
-
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, eps: float, *,
@@ -243,13 +153,25 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     Raises:
         ValueError: on a wrong dtype, shape, layout or device.
     """
-    tensors = _check_norm_rope_args(qkv, q_weight, k_weight, cos_sin_cache, num_q_heads,
-                                    num_kv_heads, head_dim, (64, 128, 256))
-    num_tokens = qkv.shape[0]
+    check_tensor("qkv", qkv, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
+    check_tensor("q_weight", q_weight, ndim=1, dtypes=(qkv.dtype,))
+    check_tensor("k_weight", k_weight, ndim=1, dtypes=(qkv.dtype,))
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=(torch.float32,))
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} is not supported (64, 128, 256)")
+    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv: shape {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x "
+                         f"{num_kv_heads} dense heads of {head_dim}")
+    if q_weight.shape[0] != head_dim or k_weight.shape[0] != head_dim:
+        raise ValueError("q_weight and k_weight must have head_dim elements")
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
+    num_tokens = qkv.shape[0]
     if positions.shape[0] != num_tokens:
         raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
-    tensors["positions"] = positions
+    tensors = {"qkv": qkv, "q_weight": q_weight, "k_weight": k_weight,
+               "cos_sin_cache": cos_sin_cache, "positions": positions}
     cache_ptrs = (0, 0, 0)  # k_cache, v_cache, slot_mapping: none, q and k in place only
     if (kv_cache is None) != (slot_mapping is None):
         raise ValueError("kv_cache and slot_mapping go together: pass both or neither")
@@ -259,8 +181,11 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
             raise ValueError(f"k_cache: {cache_heads} heads of {cache_dim} for {num_kv_heads} "
                              f"KV heads of {head_dim}")
-        _check_slot_mapping(slot_mapping, num_tokens, tensors)
-        tensors.update(k_cache=k_cache, v_cache=v_cache)
+        check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
+        if slot_mapping.shape[0] != num_tokens:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                             f"{num_tokens} tokens")
+        tensors.update(k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
         cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr())
     scale = _residual_args(residual, residual_eps, num_tokens, qkv.dtype, tensors)
     device = check_same_device(**tensors)
@@ -295,8 +220,6 @@ def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,
 
 
 __all__ = [
-    "DecodePrologue",
-    "decode_prologue",
     "qk_norm_rope",
     "qk_norm_rope_ref",
     "rms_norm",

@@ -21,7 +21,6 @@ from mini_vllm.ops._checks import (
     check_tensor,
 )
 from mini_vllm.ops._extension import dtype_code, extension, num_sms
-from mini_vllm.ops.layer_ops import DecodePrologue
 
 DECODE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 # Version 7 (tensor cores) where it applies, version 5 for the rest (head_dim
@@ -181,7 +180,6 @@ def paged_decode_attention(
     group_per_cta: int | None = None,
     stages: int = 0,
     seq_order: torch.Tensor | None = None,
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (GQA aware).
 
@@ -233,11 +231,6 @@ def paged_decode_attention(
             A scheduling hint: the output is the same with or without it,
             and the other versions ignore it. It must hold every index once
             (not checked: that would need a device sync).
-        prologue: version 7 only: q/k-norm + RoPE and the new token's cache
-            write done by the kernel itself (`layer_ops.decode_prologue`).
-            `query` is then the raw q part of the prologue's `qkv`
-            (`qkv[:, :Hq * D]` seen as [S, Hq, D]), and the new k and v are
-            stored in the cache before they are read.
 
     Returns:
         `out`, [num_seqs, num_q_heads, head_dim] in the query's dtype.
@@ -291,9 +284,6 @@ def paged_decode_attention(
         raise ValueError(f"partition_size {partition_size} must be a power of two >= 16")
     tensors = {"query": query, "k_cache": k_cache, "v_cache": v_cache,
                "block_tables": block_tables, "context_lens": context_lens}
-    if prologue is not None:
-        _check_prologue(prologue, query, num_kv_heads, version)
-        tensors.update(prologue.tensors)
     if out is not None:
         tensors["out"] = out
     if seq_order is not None:
@@ -349,25 +339,5 @@ def paged_decode_attention(
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
             cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr(),
             0 if seq_order is None or version not in (7, 9) else seq_order.data_ptr(),
-            k_cache.shape[0], None if prologue is None else prologue.handle)
+            k_cache.shape[0])
     return out
-
-
-def _check_prologue(prologue: DecodePrologue, query: torch.Tensor, num_kv_heads: int,
-                    version: int) -> None:
-    """`query` must be the q part of the prologue's qkv, the heads those of the cache."""
-    if version != 7:
-        raise ValueError(f"prologue: only version 7 runs a decode prologue, not version {version}")
-    num_seqs, num_q_heads, head_dim = query.shape
-    qkv = prologue.qkv
-    if (prologue.num_q_heads, prologue.num_kv_heads, prologue.head_dim) != (
-            num_q_heads, num_kv_heads, head_dim):
-        raise ValueError(f"prologue: built for {prologue.num_q_heads} q / "
-                         f"{prologue.num_kv_heads} KV heads of {prologue.head_dim}, the "
-                         f"query and cache have {num_q_heads} / {num_kv_heads} of {head_dim}")
-    # (The row stride of a one-row view is not qkv's and is never used.)
-    if (qkv.shape[0] != num_seqs or query.data_ptr() != qkv.data_ptr()
-            or (num_seqs > 1 and query.stride(0) != qkv.stride(0))
-            or query.stride(1) != head_dim):
-        raise ValueError("prologue: query must be the q heads of the prologue's qkv "
-                         "(qkv[:, :num_q_heads * head_dim] viewed as [S, Hq, D])")
