@@ -30,6 +30,12 @@ Against any running OpenAI-compatible server:
 
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model qwen3
 
+Whole responses instead of streams (`stream: false`; no TTFT, TPOT or ITL then, only
+throughput and end-to-end latency):
+
+    python benchmarks/serving.py --launch --no-stream --request-rates inf --num-requests 256 \
+        --compare-offline --output benchmarks/results/serving_no_stream.json
+
 On a CPU (a smoke run of the tiny model):
 
     python benchmarks/serving.py --launch --preset tiny --device cpu --num-requests 4 \\
@@ -140,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most requests in flight (default: no limit)")
     load.add_argument("--request-timeout", type=float, default=600.0,
                       help="seconds one request may take")
+    load.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                      help="stream each response (--no-stream: whole responses, timed to "
+                           "their end only)")
     p.add_argument("--output", default=str(RESULTS_DIR / "serving.json"))
     return p
 
@@ -147,10 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
 # --8<-- [start:metrics]
 @dataclass
 class RequestResult:
-    """One streamed request, as the client saw it.
+    """One request, as the client saw it.
 
     Attributes:
-        success: the stream ended with `[DONE]` and no error.
+        success: the stream ended with `[DONE]` and no error (a whole response:
+            status 200 with its choices).
         prompt_len: prompt tokens sent.
         output_tokens: completion tokens (the final `usage`, else text chunks counted).
         start: when the request was sent (`time.perf_counter()`).
@@ -158,6 +168,7 @@ class RequestResult:
         latency: seconds to the end of the stream.
         chunk_times: arrival time of every chunk with text.
         error: why it failed.
+        streamed: False for a whole response, which has no TTFT, TPOT or ITL.
     """
 
     success: bool
@@ -168,6 +179,7 @@ class RequestResult:
     latency: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     error: str = ""
+    streamed: bool = True
 
     @property
     def itl(self) -> list[float]:
@@ -177,7 +189,7 @@ class RequestResult:
     @property
     def tpot(self) -> float | None:
         """Seconds per output token after the first; None for a one-token output."""
-        if self.output_tokens < 2:
+        if self.output_tokens < 2 or not self.streamed:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
@@ -260,7 +272,7 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> dict
         "request_throughput": len(ok) / duration_s,
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
-        "ttft_ms": distribution([r.ttft for r in ok]),
+        "ttft_ms": distribution([r.ttft for r in ok if r.streamed]),
         "tpot_ms": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": distribution([g for r in ok for g in r.itl]),
         "e2el_ms": distribution([r.latency for r in ok]),
@@ -326,6 +338,18 @@ class _StreamClient:
                     if line.startswith("data:"):
                         yield line[5:].strip()
 
+    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        """POST `body` and parse the JSON response; raise on an HTTP error status."""
+        if self.library == "aiohttp":
+            async with self._session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                return await resp.json()
+        resp = await self._session.post(url, json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
     async def get_json(self, url: str) -> Any:
         """GET `url` and parse its JSON body."""
         if self.library == "aiohttp":
@@ -336,14 +360,21 @@ class _StreamClient:
 
 
 async def send_request(client: _StreamClient, url: str, model: str, prompt: list[int],
-                       max_tokens: int) -> RequestResult:
-    """Send one streaming completion request and time its chunks."""
+                       max_tokens: int, stream: bool = True) -> RequestResult:
+    """Send one completion request: a stream whose chunks are timed, or (`stream`
+    False) a whole response, timed to its end."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": TEMPERATURE, "top_p": 1.0, "top_k": -1, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     events: list[tuple[float, str]] = []
+    whole: dict[str, Any] = {}
 
     async def collect() -> None:
+        if not stream:
+            whole.update(await client.post_json(url, body))
+            return
         async for data in client.stream(url, body):
             events.append((time.perf_counter(), data))
             if data == "[DONE]":
@@ -357,13 +388,20 @@ async def send_request(client: _StreamClient, url: str, model: str, prompt: list
                              error=f"no complete response within {client.timeout_s} s")
     except Exception as e:  # noqa: BLE001 - a failed request is a data point
         return RequestResult(False, len(prompt), start=start, error=error_text(e))
-    return result_from_events(len(prompt), start, events)
+    if stream:
+        return result_from_events(len(prompt), start, events)
+    if not whole.get("choices") or not whole.get("usage"):
+        return RequestResult(False, len(prompt), start=start, streamed=False,
+                             error=f"not a completion: {json.dumps(whole)[:200]}")
+    return RequestResult(True, len(prompt), output_tokens=whole["usage"]["completion_tokens"],
+                         start=start, latency=time.perf_counter() - start, streamed=False)
 # --8<-- [end:client]
 
 
 # --8<-- [start:poisson]
 async def run_at_rate(client: _StreamClient, url: str, model: str, workload: Workload,
-                      rate: float, seed: int, max_concurrency: int | None) -> dict[str, Any]:
+                      rate: float, seed: int, max_concurrency: int | None,
+                      stream: bool = True) -> dict[str, Any]:
     """Send every request of `workload`, Poisson arrivals at `rate` per second.
 
     The gaps between sends are exponential with mean `1 / rate` (none at `inf`); a
@@ -375,9 +413,9 @@ async def run_at_rate(client: _StreamClient, url: str, model: str, workload: Wor
 
     async def one(prompt: list[int], max_tokens: int) -> RequestResult:
         if limit is None:
-            return await send_request(client, url, model, prompt, max_tokens)
+            return await send_request(client, url, model, prompt, max_tokens, stream)
         async with limit:
-            return await send_request(client, url, model, prompt, max_tokens)
+            return await send_request(client, url, model, prompt, max_tokens, stream)
 
     tasks = []
     start = time.perf_counter()
@@ -387,7 +425,8 @@ async def run_at_rate(client: _StreamClient, url: str, model: str, workload: Wor
         tasks.append(asyncio.create_task(one(prompt, max_tokens)))
     results = await asyncio.gather(*tasks)
     metrics = compute_metrics(results, time.perf_counter() - start)
-    return {"request_rate": rate if math.isfinite(rate) else "inf", **metrics}
+    return {"request_rate": rate if math.isfinite(rate) else "inf", "stream": stream,
+            **metrics}
 # --8<-- [end:poisson]
 
 
@@ -403,14 +442,14 @@ async def run_benchmark(ns: argparse.Namespace, base_url: str, model: str | None
             listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
             model = listing["data"][0]["id"]
         report["model"] = model
-        warm = await send_request(client, url, model, workload.prompts[0][:32], 4)
+        warm = await send_request(client, url, model, workload.prompts[0][:32], 4, ns.stream)
         if not warm.success:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
         runs = report.setdefault("runs", [])
         for rate in rates:
             print(f"request rate {rate}: {workload.num_requests} requests ...", flush=True)
             runs.append(await run_at_rate(client, url, model, workload, rate, ns.seed,
-                                          ns.max_concurrency))
+                                          ns.max_concurrency, ns.stream))
 
 
 def free_port() -> int:
@@ -510,14 +549,15 @@ def print_report(report: dict[str, Any]) -> None:
     for run in report.get("runs", []):
         row = {"rate": run["request_rate"], "done": run["completed"], "failed": run["failed"],
                "req/s": run["request_throughput"], "out tok/s": run["output_throughput"]}
-        for name in ("ttft", "tpot", "itl"):
+        for name in ("ttft", "tpot", "itl", "e2el"):
             d = run[f"{name}_ms"]
             row.update({f"{name.upper()} mean": d["mean"], f"{name.upper()} med": d["median"],
                         f"{name.upper()} p99": d["p99"]})
         rows.append(row)
     cmp = report.get("http_vs_offline")
     if cmp:
-        print(f"HTTP streaming at rate {cmp['request_rate']}: {cmp['http_output_tok_s']:,.1f} "
+        how = "streaming" if report["args"]["stream"] else "whole responses"
+        print(f"HTTP {how} at rate {cmp['request_rate']}: {cmp['http_output_tok_s']:,.1f} "
               f"output tok/s = {100 * cmp['fraction']:.1f} % of the offline engine's "
               f"{cmp['offline_output_tok_s']:,.1f} on the same requests")
     print(f"\n{report['workload']['num_requests']} requests per rate, "
@@ -526,7 +566,8 @@ def print_report(report: dict[str, Any]) -> None:
           "times in ms")
     print(format_table(rows, ["rate", "done", "failed", "req/s", "out tok/s",
                               "TTFT mean", "TTFT med", "TTFT p99", "TPOT mean", "TPOT med",
-                              "TPOT p99", "ITL mean", "ITL med", "ITL p99"]))
+                              "TPOT p99", "ITL mean", "ITL med", "ITL p99", "E2EL med",
+                              "E2EL p99"]))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Two kinds of numbers end up on the page:
   from what `/stats` says;
 - per-request latencies the server measures itself as it streams outputs
   (time to first token, time per output token, end-to-end latency) and the
-  count of finished choices by finish reason.
+  count of finished choices by finish reason. A request answered as a whole
+  gets one output, at its end; its time to first token and per output token
+  come from the engine's own timestamps in that output (`RequestOutput.metrics`).
 
 Each app owns its `CollectorRegistry`, so two servers in one process (tests)
 never share counters.
@@ -100,14 +102,16 @@ class ServerMetrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-    def track(self, n: int) -> RequestTimer:
-        """A timer for one engine request of `n` choices, started now."""
-        return RequestTimer(self, n)
+    def track(self, n: int, final_only: bool = False) -> RequestTimer:
+        """A timer for one engine request of `n` choices, started now (`final_only`:
+        its only output comes when it finishes)."""
+        return RequestTimer(self, n, final_only)
 
     def count_finished(self, finish_reason: str) -> None:
         self.request_success.labels(self._model_name, finish_reason).inc()
 
 
+# --8<-- [start:request_timer]
 class RequestTimer:
     """Measures one engine request from its delta outputs.
 
@@ -116,10 +120,16 @@ class RequestTimer:
     in lockstep, so the number of decode steps is the longest choice's length.
     `abort()` counts the choices that had not finished when the request was
     aborted (its consumer cancelled) under `abort`.
+
+    A final-only request's one output arrives when it finishes, so the server
+    cannot see its first token come: its first-token and per-token times are
+    the engine's (`arrival_time`, `first_token_time`, `finished_time` of the
+    output's `metrics`, one clock), and its end-to-end latency the server's.
     """
 
-    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int, final_only: bool = False) -> None:
         self._metrics = metrics
+        self._final_only = final_only
         self._arrival = time.perf_counter()
         self._first_token: float | None = None
         self._tokens: dict[int, int] = {}
@@ -127,13 +137,19 @@ class RequestTimer:
 
     def observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
+        # (arrival, first token, now) on one clock: the server's, or the engine's.
+        stamps = output.metrics
+        engine_clock = self._final_only and output.finished and {
+            "arrival_time", "first_token_time", "finished_time"} <= stamps.keys()
         for completion in output.outputs:
             if completion.token_ids:
                 self._tokens[completion.index] = (
                     self._tokens.get(completion.index, 0) + len(completion.token_ids))
                 if self._first_token is None:
                     self._first_token = now
-                    self._metrics.time_to_first_token.observe(now - self._arrival)
+                    self._metrics.time_to_first_token.observe(
+                        stamps["first_token_time"] - stamps["arrival_time"] if engine_clock
+                        else now - self._arrival)
             if completion.finish_reason is not None:
                 self._unfinished.discard(completion.index)
                 self._metrics.count_finished(completion.finish_reason)
@@ -141,10 +157,12 @@ class RequestTimer:
             self._metrics.e2e_request_latency.observe(now - self._arrival)
             steps = max(self._tokens.values(), default=0)
             if self._first_token is not None and steps > 1:
-                self._metrics.time_per_output_token.observe(
-                    (now - self._first_token) / (steps - 1))
+                first, last = ((stamps["first_token_time"], stamps["finished_time"])
+                               if engine_clock else (self._first_token, now))
+                self._metrics.time_per_output_token.observe((last - first) / (steps - 1))
 
     def abort(self) -> None:
         for _ in self._unfinished:
             self._metrics.count_finished("abort")
         self._unfinished.clear()
+# --8<-- [end:request_timer]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -117,6 +117,9 @@ class SamplingRequest(OpenAIBaseModel):
             repetition_penalty=self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            # A whole response is sent once, at the end: the engine need not hand
+            # back (or detokenize) anything before the request finishes.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 # --8<-- [end:sampling_fields]
 

@@ -40,7 +40,7 @@ from mini_vllm.entrypoints.protocol import (
     ModelList,
 )
 from mini_vllm.outputs import Logprob, RequestOutput
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,9 @@ class OpenAIServing:
 
         Waiting for the first outputs lets a request the engine refuses (empty
         prompt, token ids outside the vocabulary, too long for the context)
-        become a 400 before any byte of a stream has gone out.
+        become a 400 before any byte of a stream has gone out. A request that
+        is not streamed is final-only (`build_sampling_params`): its first
+        output is its last.
 
         Returns:
             An iterator over `(prompt index, delta RequestOutput)`, starting
@@ -226,7 +228,8 @@ class OpenAIServing:
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(index: int, prompt: str | list[int]) -> None:
-            timer = self.metrics.track(params.n)
+            timer = self.metrics.track(
+                params.n, params.output_kind == RequestOutputKind.FINAL_ONLY)
             try:
                 async for output in self.engine.generate(prompt, params, f"{request_id}-{index}"):
                     timer.observe(output)

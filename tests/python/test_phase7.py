@@ -35,6 +35,7 @@ from mini_vllm.cli import build_parser, main
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
 from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.phase7
 
@@ -271,6 +272,84 @@ def test_completion_echo_and_logprobs(any_server: Server) -> None:
         model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, stream=True))
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
+
+
+def _metric_totals(server: Server) -> dict[str, float]:
+    """`_count` and `_sum` of the three latency histograms on `/metrics`."""
+    text = server.http.get(server.url("/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.endswith(("seconds_count", "seconds_sum"))}
+
+
+def test_a_whole_response_is_final_only_and_equals_the_stream(
+        any_server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that is not streamed asks the engine for one output at the end
+    (FINAL_ONLY: its text decoded once); a stream still gets deltas. Both give the
+    same choices, and the latency metrics still count the whole response."""
+    server = any_server
+    kinds: list[RequestOutputKind] = []
+    generate = server.engine.generate
+
+    def spy(prompt: Any, params: SamplingParams, *args: Any, **kwargs: Any) -> Any:
+        kinds.append(params.output_kind)
+        return generate(prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "generate", spy)
+    body = {"model": MODEL, "prompt": ["Once upon", "a time"], "n": 2, "max_tokens": 9,
+            "temperature": 0.9, "seed": 11, "logprobs": 2, "ignore_eos": True}
+    before = _metric_totals(server)
+    whole = server.http.post(server.url("/v1/completions"), json=body).json()
+    after = _metric_totals(server)
+    assert kinds == [RequestOutputKind.FINAL_ONLY] * 2
+    chunks = _post_stream(server, "/v1/completions", {**body, "stream": True})
+    assert kinds[2:] == [RequestOutputKind.DELTA] * 2
+    streamed: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        acc = streamed.setdefault(choice["index"], {"text": "", "tokens": []})
+        acc["text"] += choice["text"]
+        acc["tokens"] += (choice["logprobs"] or {}).get("tokens", [])
+        acc["finish_reason"] = choice["finish_reason"]
+    assert len(whole["choices"]) == 4
+    for choice in whole["choices"]:
+        assert streamed[choice["index"]] == {"text": choice["text"],
+                                             "tokens": choice["logprobs"]["tokens"],
+                                             "finish_reason": "length"}
+        assert len(choice["logprobs"]["tokens"]) == 9
+    assert whole["usage"]["completion_tokens"] == 36
+
+    # Two engine requests: each adds one of every latency. Their first and later
+    # tokens were timed by the engine (the server saw only the end: on its clock the
+    # time per output token would be 0), inside their end-to-end time (the server's).
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert grew[f"mini_vllm:{name}_seconds_count"] == 2, name
+    ttft = grew["mini_vllm:time_to_first_token_seconds_sum"]
+    tpot = grew["mini_vllm:time_per_output_token_seconds_sum"]
+    assert ttft > 0 and tpot > 0
+    assert ttft + 8 * tpot < grew["mini_vllm:e2e_request_latency_seconds_sum"]
+
+    # The chat endpoint, and a stop string (checked token by token even when final-only).
+    messages = [{"role": "user", "content": "Tell me"}]
+    chat = {"model": MODEL, "messages": messages, "n": 2, "max_tokens": 12, "temperature": 0.9,
+            "seed": 5, "ignore_eos": True}
+    whole_chat = server.http.post(server.url("/v1/chat/completions"), json=chat).json()
+    chat_chunks = _post_stream(server, "/v1/chat/completions", {**chat, "stream": True})
+    for choice in whole_chat["choices"]:
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chat_chunks
+                       if c["choices"][0]["index"] == choice["index"])
+        assert text == choice["message"]["content"]
+    one = {**chat, "n": 1}
+    text = server.http.post(server.url("/v1/chat/completions"),
+                            json=one).json()["choices"][0]["message"]["content"]
+    stop = text[3:6]
+    assert len(stop) == 3
+    stopped = server.http.post(server.url("/v1/chat/completions"),
+                               json={**one, "stop": [stop]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    assert stopped["message"]["content"] == text[:text.index(stop)]
+    assert kinds[4:] == [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA,
+                         RequestOutputKind.FINAL_ONLY, RequestOutputKind.FINAL_ONLY]
 
 
 # ----------------------------------------------------------------------------- chat

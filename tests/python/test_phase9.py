@@ -239,8 +239,9 @@ def test_metrics_aggregate_and_percentiles(serving: ModuleType) -> None:
     assert m["itl_ms"]["median"] == pytest.approx(300.0)
 
 
+@pytest.mark.parametrize("stream", [True, False])
 def test_serving_launch_smoke(serving: ModuleType, tiny_model_dir: Path,
-                              tmp_path: Path) -> None:
+                              tmp_path: Path, stream: bool) -> None:
     if importlib.util.find_spec("mini_vllm.cli") is None:
         pytest.skip("mini_vllm.cli is not importable: no server to launch")
     pytest.importorskip("fastapi", reason="the server needs fastapi")
@@ -248,12 +249,17 @@ def test_serving_launch_smoke(serving: ModuleType, tiny_model_dir: Path,
     report = serving.main([
         "--launch", "--model", str(tiny_model_dir), "--device", "cpu", "--num-requests", "4",
         "--input-len-range", "8", "16", "--max-tokens-range", "3", "6",
-        "--request-rates", "inf", "--launch-timeout", "120", "--output", str(out)])
+        "--request-rates", "inf", "--launch-timeout", "120", "--output", str(out),
+        "--stream" if stream else "--no-stream"])
     assert report["status"] == "ok", report.get("error")
     data = json.loads(out.read_text())
     run = data["runs"][0]
-    assert run["request_rate"] == "inf"
+    assert run["request_rate"] == "inf" and run["stream"] is stream
     assert (run["completed"], run["failed"]) == (4, 0)
     assert run["output_tokens"] == data["workload"]["output_tokens"]
-    assert run["ttft_ms"]["median"] > 0 and run["tpot_ms"]["median"] > 0
+    assert run["e2el_ms"]["median"] > 0
+    if stream:
+        assert run["ttft_ms"]["median"] > 0 and run["tpot_ms"]["median"] > 0
+    else:  # a whole response has no first token or gaps to time
+        assert run["ttft_ms"]["median"] is None and run["itl_ms"]["median"] is None
     assert data["base_url"].startswith("http://127.0.0.1:")
