@@ -34,7 +34,7 @@ Whole responses instead of streams (`stream: false`; no TTFT, TPOT or ITL then, 
 throughput and end-to-end latency):
 
     python benchmarks/serving.py --launch --no-stream --request-rates inf --num-requests 256 \
-        --compare-offline --output benchmarks/results/serving_no_stream.json
+        --compare-offline --output benchmarks/results/final_only/serving_no_stream.json
 
 On a CPU (a smoke run of the tiny model):
 
@@ -188,7 +188,8 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        """Seconds per output token after the first; None for a one-token output."""
+        """Seconds per output token after the first; None for a one-token output or a
+        whole response."""
         if self.output_tokens < 2 or not self.streamed:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
