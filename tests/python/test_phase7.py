@@ -274,10 +274,15 @@ def test_completion_echo_and_logprobs(any_server: Server) -> None:
     assert streamed == lp.tokens
 
 
+def _metric_samples(server: Server) -> list[Any]:
+    """Every sample on `/metrics`, parsed by `prometheus_client`."""
+    text = server.http.get(server.url("/metrics")).text
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
 def _metric_totals(server: Server) -> dict[str, float]:
     """`_count` and `_sum` of the three latency histograms on `/metrics`."""
-    text = server.http.get(server.url("/metrics")).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+    return {s.name: s.value for s in _metric_samples(server)
             if s.name.endswith(("seconds_count", "seconds_sum"))}
 
 
@@ -657,8 +662,7 @@ def _wait_idle(server: Server, timeout: float = 10.0) -> dict[str, Any]:
 
 
 def _aborted(server: Server) -> float:
-    text = server.http.get(server.url("/metrics")).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+    return sum(s.value for s in _metric_samples(server)
                if s.name == "mini_vllm:request_success_total"
                and s.labels["finished_reason"] == "abort")
 
