@@ -49,7 +49,11 @@ order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 16 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x and y,
 each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
 ``gemm_plans`` (``gemm_wgmma`` at every plan, rows per CTA by splits of K, at
-Qwen3-0.6B's shapes: the sweep that sets the constants of its ``plan_cycles``).
+Qwen3-0.6B's shapes: the sweep that sets the constants of its ``plan_cycles``),
+``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
+layer calls them, at 1 to 8,192 tokens)::
+
+    python benchmarks/kernels.py --tables fused --out benchmarks/results/kernels_fused_h200.json
 """
 
 from __future__ import annotations
@@ -673,6 +677,76 @@ def ring_variants(version: int, depths: tuple[tuple[int, int], ...]) -> dict[str
         for w, st in depths}
 
 
+# The fused element-wise kernels of a Qwen3-0.6B layer, as the model calls them
+# (norms folded: both take the residual row's 1 / rms), at decode batches and
+# prefill chunks.
+FUSED_TOKENS = (1, 16, 64, 128, 256, 1024, 8192)
+FUSED_SHAPE = {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 128, "hidden": 1024,
+               "intermediate": 3072}
+
+
+# --8<-- [start:bench_fused]
+def bench_fused(copy_bw: float, device: torch.device,
+                tokens: tuple[int, ...] = FUSED_TOKENS) -> list[dict]:
+    """q/k-norm + RoPE with the KV-cache write, and SiLU · mul, at Qwen3-0.6B's shapes.
+
+    Bytes: q/k-norm + RoPE reads the token's q, k and v heads and its residual
+    row and writes q, k and v back and k and v into the cache (the rotary
+    table and the norm weights are not counted); SiLU · mul reads gate, up and
+    the residual row and writes the product. Inputs rotate through enough
+    copies to defeat the L2, as in the other tables (in a decode step they come
+    straight from the product before, mostly from the L2).
+    """
+    from mini_vllm.models.qwen3 import RotaryEmbedding
+    from mini_vllm.ops import layer_ops
+
+    hq, hkv, d = FUSED_SHAPE["num_q_heads"], FUSED_SHAPE["num_kv_heads"], FUSED_SHAPE["head_dim"]
+    hidden, inter = FUSED_SHAPE["hidden"], FUSED_SHAPE["intermediate"]
+    e = DTYPE.itemsize
+    rope = RotaryEmbedding(d, 4096, 1e6, device=device)
+    qw = (1 + 0.1 * torch.randn(d, device=device)).to(DTYPE)
+    kw = (1 + 0.1 * torch.randn(d, device=device)).to(DTYPE)
+    result = []
+    for t in tokens:
+        qkv_bytes = t * (hq + 2 * hkv) * d * e
+        per_call = {"qk_norm_rope": 2 * qkv_bytes + 2 * t * hkv * d * e + t * hidden * e,
+                    "silu_and_mul": t * 3 * inter * e + t * hidden * e}
+        rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / max(per_call.values()))))
+        blocks = -(-t // 16) + 1
+        k_cache = torch.zeros(blocks, 16, hkv, d, device=device, dtype=DTYPE)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(t, device=device) + 16  # block 0 is padding
+        positions = torch.randint(0, 4096, (t,), device=device)
+        qkvs = [torch.randn(t, (hq + 2 * hkv) * d, device=device, dtype=DTYPE)
+                for _ in range(rotations)]
+        gate_ups = [torch.randn(t, 2 * inter, device=device, dtype=DTYPE)
+                    for _ in range(rotations)]
+        residuals = [torch.randn(t, hidden, device=device, dtype=DTYPE) for _ in range(rotations)]
+        calls = {
+            "qk_norm_rope": [lambda x=x, r=r, pos=positions, cache=(k_cache, v_cache),
+                             slots=slots: layer_ops.qk_norm_rope(
+                x, qw, kw, rope.cos_sin_cache, pos, hq, hkv, d, 1e-6,
+                kv_cache=cache, slot_mapping=slots, residual=r)
+                for x, r in zip(qkvs, residuals)],
+            "silu_and_mul": [lambda x=x, r=r: layer_ops.silu_and_mul(x, r)
+                             for x, r in zip(gate_ups, residuals)],
+        }
+        row = {"tokens": t, "rotations": rotations, "paths": {}}
+        for name, fns in calls.items():
+            sec = time_calls(fns, use_graph=True)
+            bw = per_call[name] / sec
+            row["paths"][name] = {"us": sec * 1e6, "bytes": per_call[name], "gbps": bw / 1e9,
+                                  "frac_copy": bw / copy_bw}
+        result.append(row)
+        print(f"  tokens={t:5d}  " + "  ".join(
+            f"{n}={r['us']:8.2f}us {100 * r['frac_copy']:5.1f}%" for n, r in row["paths"].items()),
+            flush=True)
+        del qkvs, gate_ups, residuals
+        torch.cuda.empty_cache()
+    return result
+# --8<-- [end:bench_fused]
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -818,6 +892,10 @@ def run(args: argparse.Namespace) -> dict:
     if "gemv" in tables:
         print(f"gemv: y = x @ W.T at {GEMV_ROWS} rows, ours vs cuBLAS (F.linear), bf16")
         result["gemv"] = bench_gemv(copy_bw, device)
+        save()
+    if "fused" in tables:
+        print("fused: q/k-norm + RoPE (with the KV write) and SiLU · mul, Qwen3-0.6B, bf16")
+        result["fused"] = bench_fused(copy_bw, device)
         save()
     if "gemm" in tables:
         print(f"gemm: y = x @ W.T at {GEMM_ROWS} rows, gemm_wgmma vs cuBLAS (F.linear), bf16")
@@ -971,6 +1049,17 @@ def report(path: Path) -> None:
         print()
     if d.get("gemv"):
         report_gemv(d["gemv"])
+    if d.get("fused"):
+        names = list(d["fused"][0]["paths"])
+        print("**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a share of the "
+              "copy bandwidth)\n")
+        print("| tokens | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for r in d["fused"]:
+            print(f"| {r['tokens']:,} | " + " | ".join(
+                f"{r['paths'][n]['us']:.2f} µs · {100 * r['paths'][n]['frac_copy']:.0f} %"
+                for n in names) + " |")
+        print()
     tuning = [r for r in d.get("tuning", []) if "partition_size" in r and r.get("unroll") == 4]
     if tuning:
         sizes = sorted({r["partition_size"] for r in tuning})

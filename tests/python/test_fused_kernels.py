@@ -841,3 +841,27 @@ def test_folding_the_norms_costs_no_accuracy(tiny_model_dir, prompt_len):
         errors[fold] = ((got.double() - want).norm() / want.norm()).item()
     assert errors[False] < 0.05, errors
     assert errors[True] <= 1.5 * errors[False], errors
+
+
+@needs_kernels
+@pytest.mark.gpu
+def test_the_fused_benchmark_times_both_kernels():
+    """`benchmarks/kernels.py --tables fused` runs both kernels as the model calls them and
+    reports each call's bytes over its time, a plausible share of the copy bandwidth."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("_fused_kernels_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    device = torch.device("cuda")
+    copy_bw = bench.copy_bandwidth(device, 256 * 2**20)
+    rows = bench.bench_fused(copy_bw, device, tokens=(1, 300))
+    assert [r["tokens"] for r in rows] == [1, 300]
+    for r in rows:
+        assert set(r["paths"]) == {"qk_norm_rope", "silu_and_mul"}
+        for p in r["paths"].values():
+            assert p["us"] > 0 and 0 < p["frac_copy"] < 2, p
