@@ -122,9 +122,10 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // --8<-- [start:qk_norm_rope]
 // One warp per (token, head) of q and k, in place in the fused qkv output; a
 // block holds the heads of one token, or a group of them past 32 heads
-// (blockIdx.x the token, blockIdx.y the group). Lane l owns the rotary pairs
-// (i, i + D/2) for i = l, l + 32, ...: both halves of a pair meet in one
-// thread, so the rotation needs no shuffle.
+// (blockIdx.x the token, blockIdx.y the group). Lane l owns E = D/64
+// neighbouring rotary pairs, (i, i + D/2) for i in [l*E, l*E + E): both
+// halves of a pair meet in one thread, so the rotation needs no shuffle, and
+// each half is one load of E elements (4 bytes at D = 128), not E loads.
 //   torch reference, per head:  y = round(w * round(x * inv_rms))
 //                               c, s = round(cos), round(sin)
 //   y1' = round(round(y1 * c) - round(y2 * s)),  y2' = round(round(y2 * c) + round(y1 * s))
@@ -135,6 +136,14 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // With SCALED (folded norms), q, k and v first become round(x * s) with s the
 // token's 1 / rms of `residual`: the block computes s once, the k-head warps
 // scale their v head too and write it back into qkv (and the cache).
+// Every row, head and cache slot starts on 16 bytes (the wrapper checks).
+
+// N elements of T (or floats) moved as one load or store.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
 template <typename T, int D, bool CACHE, bool SCALED>
 __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     T* __restrict__ qkv, T* __restrict__ k_cache, T* __restrict__ v_cache,
@@ -143,7 +152,11 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     const int64_t* __restrict__ positions, const T* __restrict__ residual, int hidden,
     float residual_eps, int num_q_heads, int num_kv_heads, int64_t token_stride, float eps) {
   constexpr int HALF = D / 2;
-  constexpr int PAIRS = HALF / 32;  // pairs per lane
+  constexpr int E = HALF / 32;  // pairs per lane, neighbours
+  constexpr int VN = D / 32;    // elements of the v head per lane
+  using TRun = Packed<T, E>;
+  using FRun = Packed<float, E>;
+  using VRun = Packed<T, VN>;
   const int token = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int heads = num_q_heads + num_kv_heads;
@@ -153,11 +166,18 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
   const int warp_head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
   const bool active = warp_head < heads;
   const int head = active ? warp_head : 0;
-  pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
-  pdl_wait();
   const bool is_q = head < num_q_heads;
-  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
   const T* w = is_q ? q_weight : k_weight;
+  const int i0 = lane * E;  // this lane's first pair
+  // Before the wait (pdl.cuh): the norm weights, which no kernel writes, and
+  // the position and slot, copied from the host before the step's first
+  // kernel. Their loads overlap the kernel before. (The rotary table's row
+  // needs the position's value: it is loaded after qkv's, so that a block
+  // that starts after the wait, as most do in a long prefill, does not wait
+  // for the position before asking for its head.)
+  const TRun w1 = *reinterpret_cast<const TRun*>(w + i0);
+  const TRun w2 = *reinterpret_cast<const TRun*>(w + i0 + HALF);
+  const int64_t position = positions[token];
   // Where this head goes in each cache ([num_blocks * block_size, num_kv_heads,
   // D] seen flat), or -1: a q head, a padding token, or no CACHE.
   int64_t cache_off = -1;
@@ -167,64 +187,65 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
   }
   // Scaled, the v head of every k-head warp is rewritten; else only copied to the cache.
   const bool has_v = !is_q && (SCALED || cache_off >= 0);
-
-  const float* cs = cos_sin_cache + positions[token] * D;  // [cos (D/2) | sin (D/2)]
-  float a[PAIRS], b[PAIRS];
+  pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
+  pdl_wait();
+  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
+  const TRun x1 = *reinterpret_cast<const TRun*>(x + i0);
+  const TRun x2 = *reinterpret_cast<const TRun*>(x + i0 + HALF);
+  float a[E], b[E];
 #pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    a[p] = TypeTraits<T>::to_float(x[lane + p * 32]);
-    b[p] = TypeTraits<T>::to_float(x[lane + p * 32 + HALF]);
+  for (int p = 0; p < E; ++p) {
+    a[p] = TypeTraits<T>::to_float(x1.v[p]);
+    b[p] = TypeTraits<T>::to_float(x2.v[p]);
   }
   // v head h (num_kv_heads heads past k head h), loaded with k rather than
   // after it: one trip to memory fewer on the warp's path.
-  constexpr int VN = CACHE || SCALED ? D / 32 : 1;
-  T v[VN];
-  if (has_v) {
-#pragma unroll
-    for (int j = 0; j < VN; ++j) v[j] = x[num_kv_heads * D + lane + j * 32];
-  }
+  T* const xv = x + num_kv_heads * D + lane * VN;
+  VRun v;
+  if (has_v) v = *reinterpret_cast<const VRun*>(xv);
+  const float* cs = cos_sin_cache + position * D;  // [cos (D/2) | sin (D/2)]
+  const FRun c1 = *reinterpret_cast<const FRun*>(cs + i0);
+  const FRun s1 = *reinterpret_cast<const FRun*>(cs + i0 + HALF);
   if constexpr (SCALED) {  // the residual's row is read while the loads above are on their way
     __shared__ float scratch[32];
     const float scale = row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden, hidden,
                                        residual_eps, scratch);
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
+    for (int p = 0; p < E; ++p) {
       a[p] = round_to<T>(a[p] * scale);
       b[p] = round_to<T>(b[p] * scale);
     }
     if (has_v) {
 #pragma unroll
       for (int j = 0; j < VN; ++j) {
-        v[j] = TypeTraits<T>::from_float(TypeTraits<T>::to_float(v[j]) * scale);
+        v.v[j] = TypeTraits<T>::from_float(TypeTraits<T>::to_float(v.v[j]) * scale);
       }
     }
   }
   if (!active) return;
   float sumsq = 0.f;
 #pragma unroll
-  for (int p = 0; p < PAIRS; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
+  for (int p = 0; p < E; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
   const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
+  TRun out1, out2;
 #pragma unroll
-  for (int p = 0; p < PAIRS; ++p) {
-    const int i = lane + p * 32;
-    const float y1 = round_to<T>(TypeTraits<T>::to_float(w[i]) * round_to<T>(a[p] * inv_rms));
-    const float y2 =
-        round_to<T>(TypeTraits<T>::to_float(w[i + HALF]) * round_to<T>(b[p] * inv_rms));
-    const float c = round_to<T>(cs[i]), s = round_to<T>(cs[i + HALF]);
-    const T out1 = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
-    const T out2 = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
-    x[i] = out1;
-    x[i + HALF] = out2;
-    if (CACHE && cache_off >= 0) {
-      k_cache[cache_off + i] = out1;
-      k_cache[cache_off + i + HALF] = out2;
-    }
+  for (int p = 0; p < E; ++p) {
+    const float y1 = round_to<T>(TypeTraits<T>::to_float(w1.v[p]) * round_to<T>(a[p] * inv_rms));
+    const float y2 = round_to<T>(TypeTraits<T>::to_float(w2.v[p]) * round_to<T>(b[p] * inv_rms));
+    const float c = round_to<T>(c1.v[p]), s = round_to<T>(s1.v[p]);
+    out1.v[p] = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
+    out2.v[p] = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+  }
+  *reinterpret_cast<TRun*>(x + i0) = out1;
+  *reinterpret_cast<TRun*>(x + i0 + HALF) = out2;
+  if (CACHE && cache_off >= 0) {
+    *reinterpret_cast<TRun*>(k_cache + cache_off + i0) = out1;
+    *reinterpret_cast<TRun*>(k_cache + cache_off + i0 + HALF) = out2;
   }
   if (has_v) {
-#pragma unroll
-    for (int j = 0; j < VN; ++j) {
-      if constexpr (SCALED) x[num_kv_heads * D + lane + j * 32] = v[j];
-      if (CACHE && cache_off >= 0) v_cache[cache_off + lane + j * 32] = v[j];
+    if constexpr (SCALED) *reinterpret_cast<VRun*>(xv) = v;
+    if (CACHE && cache_off >= 0) {
+      *reinterpret_cast<VRun*>(v_cache + cache_off + lane * VN) = v;
     }
   }
 }

@@ -13,7 +13,8 @@
 // follows: before `pdl_wait()` it reads only data no kernel of the step writes
 // (weights; v7 also its block table and context length, copied from the host
 // before the step's first kernel, and the K/V of every position but a
-// sequence's newest, written by earlier steps) and writes nothing. By induction every
+// sequence's newest, written by earlier steps; q/k-norm + RoPE its tokens'
+// positions and slots, copied likewise) and writes nothing. By induction every
 // earlier kernel has then completed when a kernel passes its wait, so the
 // stream keeps its usual order for all data.
 // CUDA graphs record the attribute as a programmatic edge. Below sm_90 both

@@ -167,6 +167,13 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         raise ValueError("q_weight and k_weight must have head_dim elements")
     if cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
+    # The kernel moves each lane's run of a head (up to 16 bytes) in one access.
+    if qkv.data_ptr() % 16 or (qkv.stride(0) * qkv.element_size()) % 16:
+        raise ValueError("qkv: rows must start on 16 bytes (data pointer and row stride)")
+    for name, t in (("q_weight", q_weight), ("k_weight", k_weight),
+                    ("cos_sin_cache", cos_sin_cache)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: must start on 16 bytes")
     num_tokens = qkv.shape[0]
     if positions.shape[0] != num_tokens:
         raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")

@@ -86,6 +86,25 @@ def test_qk_norm_rope_rejects_bad_cache_arguments():
         layer_ops.qk_norm_rope(*args, kv_cache=(cache, cache.clone()), slot_mapping=slots)
 
 
+def test_qk_norm_rope_rejects_rows_off_16_bytes():
+    """The kernel moves a lane's run of a head in one access: a qkv whose rows do not
+    start on 16 bytes (a slice one column in, an odd row stride) is refused, by name."""
+    bf16 = {"dtype": torch.bfloat16}
+    t, hq, hkv, d = 3, 4, 2, 64
+    width = (hq + 2 * hkv) * d
+    rest = (torch.ones(d, **bf16), torch.ones(d, **bf16), torch.randn(16, d),
+            torch.zeros(t, dtype=torch.int64), hq, hkv, d, 1e-6)
+    shifted = torch.randn(t, width + 8, **bf16)[:, 1:width + 1]  # starts 2 bytes in
+    with pytest.raises(ValueError, match="qkv: rows must start on 16 bytes"):
+        layer_ops.qk_norm_rope(shifted, *rest)
+    odd_stride = torch.randn(t, width + 1, **bf16)[:, :width]  # rows 2 bytes apart from 16
+    with pytest.raises(ValueError, match="qkv: rows must start on 16 bytes"):
+        layer_ops.qk_norm_rope(odd_stride, *rest)
+    weight = torch.ones(d + 1, **bf16)[1:]
+    with pytest.raises(ValueError, match="q_weight: must start on 16 bytes"):
+        layer_ops.qk_norm_rope(torch.randn(t, width, **bf16), weight, *rest[1:])
+
+
 def test_attention_skips_the_write_when_the_kv_is_written():
     """`kv_written=True`: the caller stored K/V already; the backend only attends."""
     writes = []
