@@ -942,6 +942,22 @@ def print_versus(rows: list[dict], new: str, old: str, table: str) -> None:
     print()
 
 
+def print_paths_table(rows: list[dict], heading: str,
+                      leads: dict[str, Callable[[dict], str]], cell: str) -> None:
+    """A markdown table of `rows`: the `leads` columns, then one column per path, each
+    cell `cell` formatted with the path's `us` and `pct` (its share of the copy)."""
+    names = list(rows[0]["paths"])
+    print(heading + "\n")
+    print("| " + " | ".join([*leads, *names]) + " |")
+    print("|" + "---|" * (len(leads) + len(names)))
+    for r in rows:
+        cells = [lead(r) for lead in leads.values()]
+        cells += [cell.format(us=r["paths"][n]["us"], pct=100 * r["paths"][n]["frac_copy"])
+                  for n in names]
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
 def report(path: Path) -> None:
     """Print the results of a JSON file as the markdown tables of chapter 8."""
     d = json.loads(path.read_text())
@@ -1015,16 +1031,12 @@ def report(path: Path) -> None:
         if d.get(new):
             print_versus(d[new], f"ours_{new}", "ours_v7", new)
     if d.get("mixed"):
-        names = list(d["mixed"][0]["paths"])
-        print("**mixed** (16/8 heads, block 16, contexts of a prompt of 100-1024 tokens plus "
-              "0-1023 generated; µs per call · achieved bandwidth / copy bandwidth)\n")
-        print("| batch | contexts | " + " | ".join(names) + " |")
-        print("|---|---|" + "---|" * len(names))
-        for r in d["mixed"]:
-            print(f"| {r['batch']} | {r['context_min']}–{r['context_max']} | " + " | ".join(
-                f"{r['paths'][n]['us']:.1f} · {100 * r['paths'][n]['frac_copy']:.0f} %"
-                for n in names) + " |")
-        print()
+        print_paths_table(
+            d["mixed"], "**mixed** (16/8 heads, block 16, contexts of a prompt of 100-1024 "
+            "tokens plus 0-1023 generated; µs per call · achieved bandwidth / copy bandwidth)",
+            {"batch": lambda r: str(r["batch"]),
+             "contexts": lambda r: f"{r['context_min']}–{r['context_max']}"},
+            "{us:.1f} · {pct:.0f} %")
     if d.get("layout"):
         names = list(d["layout"][0]["paths"])
         print("**layout** (2 query / 1 KV head; µs per call)\n")
@@ -1050,16 +1062,10 @@ def report(path: Path) -> None:
     if d.get("gemv"):
         report_gemv(d["gemv"])
     if d.get("fused"):
-        names = list(d["fused"][0]["paths"])
-        print("**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a share of the "
-              "copy bandwidth)\n")
-        print("| tokens | " + " | ".join(names) + " |")
-        print("|---|" + "---|" * len(names))
-        for r in d["fused"]:
-            print(f"| {r['tokens']:,} | " + " | ".join(
-                f"{r['paths'][n]['us']:.2f} µs · {100 * r['paths'][n]['frac_copy']:.0f} %"
-                for n in names) + " |")
-        print()
+        print_paths_table(
+            d["fused"], "**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a "
+            "share of the copy bandwidth)", {"tokens": lambda r: f"{r['tokens']:,}"},
+            "{us:.2f} µs · {pct:.0f} %")
     tuning = [r for r in d.get("tuning", []) if "partition_size" in r and r.get("unroll") == 4]
     if tuning:
         sizes = sorted({r["partition_size"] for r in tuning})
