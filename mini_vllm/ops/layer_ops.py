@@ -188,6 +188,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
             raise ValueError(f"k_cache: {cache_heads} heads of {cache_dim} for {num_kv_heads} "
                              f"KV heads of {head_dim}")
+        if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+            raise ValueError("kv_cache: k_cache and v_cache must start on 16 bytes")
         check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "

@@ -103,6 +103,10 @@ def test_qk_norm_rope_rejects_rows_off_16_bytes():
     weight = torch.ones(d + 1, **bf16)[1:]
     with pytest.raises(ValueError, match="q_weight: must start on 16 bytes"):
         layer_ops.qk_norm_rope(torch.randn(t, width, **bf16), weight, *rest[1:])
+    cache = torch.zeros(4 * 16 * hkv * d + 1, **bf16)[1:].view(4, 16, hkv, d)
+    with pytest.raises(ValueError, match="kv_cache: k_cache and v_cache must start on 16"):
+        layer_ops.qk_norm_rope(torch.randn(t, width, **bf16), *rest,
+                               kv_cache=(cache, cache.clone()), slot_mapping=torch.arange(t))
 
 
 def test_attention_skips_the_write_when_the_kv_is_written():
