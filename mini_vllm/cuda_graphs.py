@@ -73,6 +73,27 @@ def capture_stream(device: torch.device) -> Iterator[None]:
     torch.cuda.synchronize(device)
 
 
+class TokenInputs:
+    """A graph's static `[3, n]` int64 input rows: ids, positions, slots.
+
+    Rows past a step's tokens keep id 0, position 0 and slot -1 (the KV write
+    skips them). One copy fills all three rows; the ids of tokens sampled by
+    the previous step (never on the host) are then written in place.
+    """
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.rows = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.rows[2].fill_(-1)
+
+    def fill(self, token_inputs: torch.Tensor,
+             token_fixes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy `[3, k]` rows into the first `k` columns, then apply `(rows, ids)` fixes."""
+        self.rows[:, :token_inputs.shape[1]].copy_(token_inputs)
+        if token_fixes is not None:
+            rows, ids = token_fixes
+            self.rows[0].index_copy_(0, rows, ids.to(torch.int64))
+
+
 # --8<-- [start:capture_sizes]
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, up to the limit.
@@ -136,9 +157,7 @@ class CudaGraphRunner:
         self.max_size = self.sizes[-1]
         self.device = device
         n = self.max_size
-        # Rows of `token_inputs`: input ids, positions, slots (one copy fills all three).
-        self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.token_inputs[2].fill_(-1)
+        self.token_inputs = TokenInputs(n, device)
         # Rows of `seq_inputs`: context lengths, the decode kernel's order.
         self.seq_inputs = torch.ones(2, n, dtype=torch.int32, device=device)
         self.seq_inputs[1] = torch.arange(n, dtype=torch.int32, device=device)
@@ -158,7 +177,7 @@ class CudaGraphRunner:
         # The host lists describe the padded capture-time batch; the decode
         # path reads only the device tensors and the bound.
         return CudaAttentionMetadata(
-            slot_mapping=self.token_inputs[2, :bs],
+            slot_mapping=self.token_inputs.rows[2, :bs],
             query_start_loc=self.query_start_loc[: bs + 1],
             context_lens=self.seq_inputs[0, :bs],
             block_tables=self.block_tables[:bs],
@@ -172,7 +191,7 @@ class CudaGraphRunner:
         )
 
     def _run_eager(self, bs: int, bound: int) -> torch.Tensor:
-        return self.forward(self.token_inputs[0, :bs], self.token_inputs[1, :bs],
+        return self.forward(self.token_inputs.rows[0, :bs], self.token_inputs.rows[1, :bs],
                             self.kv_caches, self._metadata(bs, bound))
 
     # --8<-- [start:capture]
@@ -227,12 +246,9 @@ class CudaGraphRunner:
             `[bs, vocab]` float32 logits (a graph output: valid until the next run).
         """
         bs, width = block_tables.shape
-        self.token_inputs[:, :bs].copy_(token_inputs)
+        self.token_inputs.fill(token_inputs, token_fixes)
         self.seq_inputs[:, :bs].copy_(seq_inputs)
         self.block_tables[:bs, :width].copy_(block_tables)
-        if token_fixes is not None:
-            rows, ids = token_fixes
-            self.token_inputs[0].index_copy_(0, rows, ids.to(torch.int64))
         bounds = self.bounds[bs]
         bound = bounds[-1]
         if max_context_len is not None:
@@ -323,9 +339,7 @@ class PiecewiseGraphRunner:
         self.sizes = sorted(sizes)
         self.device = device
         n = self.sizes[-1]
-        # Rows: input ids, positions, slots (one copy fills all three).
-        self.token_inputs = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.token_inputs[2].fill_(-1)
+        self.token_inputs = TokenInputs(n, device)
         self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
         self._no_seqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -341,11 +355,11 @@ class PiecewiseGraphRunner:
         # Only the pieces read this metadata (the KV write's slots); every
         # attention goes to `split`.
         meta = CudaAttentionMetadata(
-            slot_mapping=self.token_inputs[2, :size], query_start_loc=self._no_seqs,
+            slot_mapping=self.token_inputs.rows[2, :size], query_start_loc=self._no_seqs,
             context_lens=self._no_seqs[:0], block_tables=self._no_seqs[:0].view(0, 1),
             max_query_len=size, max_context_len=0, query_start_loc_cpu=[0],
             context_lens_cpu=[], split=split)
-        return self.forward(self.token_inputs[0, :size], self.token_inputs[1, :size],
+        return self.forward(self.token_inputs.rows[0, :size], self.token_inputs.rows[1, :size],
                             self.kv_caches, meta)
 
     def _attend(self, call: _AttentionCall, num_tokens: int,
@@ -411,10 +425,7 @@ class PiecewiseGraphRunner:
             until the next step).
         """
         size = token_inputs.shape[1]
-        self.token_inputs[:, :size].copy_(token_inputs)
-        if token_fixes is not None:
-            rows, ids = token_fixes
-            self.token_inputs[0].index_copy_(0, rows, ids.to(torch.int64))
+        self.token_inputs.fill(token_inputs, token_fixes)
         pieces = self.pieces.get(size)
         if pieces is None:  # not captured (CPU checks of the layout): the pieces, eagerly
             def attend(backend: CudaAttentionBackend, *args: object) -> torch.Tensor:
@@ -430,4 +441,4 @@ class PiecewiseGraphRunner:
 
 
 __all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "PiecewiseGraphRunner",
-           "capture_sizes", "capture_stream", "context_bounds", "piecewise_sizes"]
+           "TokenInputs", "capture_sizes", "capture_stream", "context_bounds", "piecewise_sizes"]

@@ -156,6 +156,16 @@ class StagingBuffer:
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
 
+def _token_rows(host: dict[str, np.ndarray], width: int) -> np.ndarray:
+    """`[3, width]` int64 ids / positions / slots of `_host_layout`'s tokens, padded
+    past them with id 0, position 0 and slot -1 (a graph's padding rows write nothing)."""
+    rows = np.zeros((3, width), dtype=np.int64)
+    rows[2] = -1
+    n = len(host["input_ids"])
+    rows[:, :n] = host["input_ids"], host["positions"], host["slot_mapping"]
+    return rows
+
+
 def _check_prev(prev_sampled: torch.Tensor | None) -> torch.Tensor:
     if prev_sampled is None:
         raise ValueError("an entry has prev_sample_row >= 0 but execute() got no prev_sampled")
@@ -584,11 +594,7 @@ class ModelRunner:
         """A decode-only step through the CUDA graph of batch size `padded`."""
         n = len(entries)
         host = self._host_layout(entries, query_lens, starts, num_rows=padded)
-        token_inputs = np.zeros((3, padded), dtype=np.int64)  # ids / positions / slots
-        token_inputs[2] = -1  # padded rows write nothing
-        token_inputs[0, :n] = host["input_ids"]
-        token_inputs[1, :n] = host["positions"]
-        token_inputs[2, :n] = host["slot_mapping"]
+        token_inputs = _token_rows(host, padded)
         seq_inputs = np.ones((2, padded), dtype=np.int32)  # padded rows: one (junk) token
         seq_inputs[0, :n] = host["context_lens"]
         seq_inputs[1] = longest_first(seq_inputs[0])  # the order the decode grid takes
@@ -629,9 +635,7 @@ class ModelRunner:
         num_tokens = len(host["input_ids"])
         pieces = self.piecewise_runner if use_graph else None
         size = pieces.padded_size(num_tokens) if pieces is not None else None
-        token_inputs = np.zeros((3, size or num_tokens), dtype=np.int64)  # ids / positions / slots
-        token_inputs[2] = -1  # padding rows of a piecewise graph write nothing
-        token_inputs[:, :num_tokens] = host["input_ids"], host["positions"], host["slot_mapping"]
+        token_inputs = _token_rows(host, size or num_tokens)
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         last_rows = np.empty(n, dtype=np.int64)  # last new token of each entry, entry order
