@@ -64,6 +64,20 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
+def rows_on_16_bytes(t: torch.Tensor) -> bool:
+    """Whether `t` and each of its rows (along dim 0) start on 16 bytes."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def check_16_byte_aligned(name: str, t: torch.Tensor, *, rows: bool = False) -> None:
+    """Raise a ValueError naming `t` unless it starts on 16 bytes (with `rows`, each row
+    too): what a kernel that moves 16 bytes at a time needs."""
+    if rows and not rows_on_16_bytes(t):
+        raise ValueError(f"{name}: rows must start on 16 bytes (data pointer and row stride)")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: must start on 16 bytes")
+
+
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` [N, H, D] with rows the kernels can load 16 bytes at a time.
 
@@ -72,7 +86,5 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     else is copied into a contiguous tensor.
     """
     d = t.shape[2]
-    ok = (t.stride(2) == 1 and t.stride(1) == d
-          and (t.stride(0) * t.element_size()) % 16 == 0
-          and t.data_ptr() % 16 == 0)
+    ok = t.stride(2) == 1 and t.stride(1) == d and rows_on_16_bytes(t)
     return t if ok else t.contiguous()

@@ -10,7 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.ops._checks import check_kv_cache, check_same_device, check_tensor
+from mini_vllm.ops._checks import (
+    check_16_byte_aligned,
+    check_kv_cache,
+    check_same_device,
+    check_tensor,
+)
 from mini_vllm.ops._extension import dtype_code, extension
 
 LAYER_DTYPES = (torch.float16, torch.bfloat16)
@@ -168,12 +173,10 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     if cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache: width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
     # The kernel moves each lane's run of a head (up to 16 bytes) in one access.
-    if qkv.data_ptr() % 16 or (qkv.stride(0) * qkv.element_size()) % 16:
-        raise ValueError("qkv: rows must start on 16 bytes (data pointer and row stride)")
+    check_16_byte_aligned("qkv", qkv, rows=True)
     for name, t in (("q_weight", q_weight), ("k_weight", k_weight),
                     ("cos_sin_cache", cos_sin_cache)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: must start on 16 bytes")
+        check_16_byte_aligned(name, t)
     num_tokens = qkv.shape[0]
     if positions.shape[0] != num_tokens:
         raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
@@ -188,8 +191,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
             raise ValueError(f"k_cache: {cache_heads} heads of {cache_dim} for {num_kv_heads} "
                              f"KV heads of {head_dim}")
-        if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
-            raise ValueError("kv_cache: k_cache and v_cache must start on 16 bytes")
+        check_16_byte_aligned("k_cache", k_cache)
+        check_16_byte_aligned("v_cache", v_cache)
         check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
