@@ -127,25 +127,42 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // Block-wide reductions over all the threads of the block (a multiple of 32, at
-// most 1024); every thread gets the result. `scratch` holds 32 floats.
-__device__ __forceinline__ float block_max(float x, float* scratch) {
+// most 1024); every thread gets the result. `scratch` holds one T per warp.
+// `op` combines two values; `identity` is its neutral element.
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T x, Op op) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T x, T* scratch, T identity, Op op) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  x = warp_max(x);
+  x = warp_reduce(x, op);
   __syncthreads();  // scratch may still be read by a previous reduction
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
-  x = lane < blockDim.x / 32 ? scratch[lane] : -INFINITY;
-  return warp_max(x);
+  x = lane < blockDim.x / 32 ? scratch[lane] : identity;
+  return warp_reduce(x, op);
+}
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ uint64_t operator()(uint64_t a, uint64_t b) const {
+    return a > b ? a : b;
+  }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+  return block_reduce(x, scratch, -INFINITY, MaxOp{});
 }
 
 __device__ __forceinline__ float block_sum(float x, float* scratch) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  x = warp_sum(x);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = x;
-  __syncthreads();
-  x = lane < blockDim.x / 32 ? scratch[lane] : 0.0f;
-  return warp_sum(x);
+  return block_reduce(x, scratch, 0.0f, SumOp{});
 }
 
 // log2(e): scores are kept in base 2 so that exp2f (one MUFU instruction) does

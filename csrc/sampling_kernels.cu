@@ -129,23 +129,6 @@ __global__ void __launch_bounds__(NT) sample_chunk_kernel(const SampleParams p) 
   if (threadIdx.x == 0) p.partials[static_cast<int64_t>(row) * p.num_chunks + chunk] = value;
 }
 
-// The best packed (value, index) over the block; every thread gets it.
-__device__ __forceinline__ uint64_t block_max_packed(uint64_t best, uint64_t* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, best, off);
-    best = other > best ? other : best;
-  }
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = best;
-  __syncthreads();
-  best = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
-    best = scratch[w] > best ? scratch[w] : best;
-  }
-  return best;
-}
-
 // The noise of one race: this thread's groups of 4 candidates, group g =
 // threadIdx.x + k * NT, drawn from the Philox call for counter (g, the row's
 // counter, tag). Greedy rows race without noise.
@@ -180,7 +163,7 @@ __device__ __forceinline__ uint64_t race(const float (&values)[G][4], const uint
       best = key > best ? key : best;
     }
   }
-  return block_max_packed(best, scratch);
+  return block_reduce(best, scratch, uint64_t{0}, MaxOp{});  // every thread gets it
 }
 
 __device__ __forceinline__ uint32_t unpack_index(uint64_t k) {
