@@ -73,6 +73,7 @@ def capture_stream(device: torch.device) -> Iterator[None]:
     torch.cuda.synchronize(device)
 
 
+# --8<-- [start:token_inputs]
 class TokenInputs:
     """A graph's static `[3, n]` int64 input rows: ids, positions, slots.
 
@@ -92,6 +93,7 @@ class TokenInputs:
         if token_fixes is not None:
             rows, ids = token_fixes
             self.rows[0].index_copy_(0, rows, ids.to(torch.int64))
+# --8<-- [end:token_inputs]
 
 
 # --8<-- [start:capture_sizes]
