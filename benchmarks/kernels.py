@@ -908,8 +908,10 @@ def run(args: argparse.Namespace) -> dict:
               f"{GEMM_PLAN_ROWS} rows, bf16")
         result["gemm_plans"] = bench_gemv(
             copy_bw, device, rows=GEMM_PLAN_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
-            product=gemm_wgmma, variants={f"r{r}s{s}": {"rows_per_cta": r, "splits": s}
-                                          for r in (128, 256) for s in GEMM_PLAN_SPLITS})
+            product=gemm_wgmma, variants={f"r{r}s{s}t{t}": {"rows_per_cta": r, "splits": s,
+                                                             "tile_n": t}
+                                          for t in (128, 64) for r in (128, 256)
+                                          for s in GEMM_PLAN_SPLITS})
         save()
     return result
 

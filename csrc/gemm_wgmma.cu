@@ -40,31 +40,32 @@
 namespace mini_vllm {
 namespace {
 
-constexpr int kBN = 128;       // output features per CTA: the N of the wgmma
 constexpr int kBK = 64;        // K per stage: one 128-byte row of the swizzle
 constexpr int kConsumers = 2;  // consumer warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kWTileBytes = kBN * kBK * 2;   // 16 KB of W per stage
 constexpr int kXBlockBytes = 64 * kBK * 2;   // 8 KB per 64 rows of x per stage
-constexpr int kPartStride = kBN + 4;         // floats per row of a partial tile
 constexpr int kMaxSplits = 16;               // the largest cluster Hopper runs
+constexpr int kMaxStages = 8;
 
 // Shared memory: [ring of stages, later the partial tile][full barriers][empty barriers].
-// A CTA takes up to 128 rows of x (BLOCKS_PER_WG = 1) or 256 (2); the ring
-// has as many stages as fit in 192 KB.
-template <int BLOCKS_PER_WG>
+// A CTA takes BN output features (128 or 64: the N of the wgmma) by up to
+// 128 rows of x (BLOCKS_PER_WG = 1) or 256 (2); the ring has as many stages
+// as fit in 192 KB, at most 8.
+template <int BLOCKS_PER_WG, int BN>
 struct Layout {
   static constexpr int kXBlocks = kConsumers * BLOCKS_PER_WG;  // 2 or 4: up to 128 or 256 rows
   static constexpr int kRows = 64 * kXBlocks;
+  static constexpr int kWTileBytes = BN * kBK * 2;             // 16 or 8 KB of W per stage
+  static constexpr int kPartStride = BN + 4;                   // floats per row of a partial tile
   static constexpr int kStageBytes = kWTileBytes + kXBlocks * kXBlockBytes;
-  static constexpr int kStages = 192 * 1024 / kStageBytes;     // 6 or 4
+  static constexpr int kStages = std::min(kMaxStages, 192 * 1024 / kStageBytes);
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kPartBytes = kRows * kPartStride * 4;
   static constexpr int kDataBytes = kRingBytes > kPartBytes ? kRingBytes : kPartBytes;
   // The swizzle is applied to shared addresses: stages start on 1,024 bytes.
-  // Room for 16 barriers whatever the stages, so both layouts take the same.
-  static_assert(kStages <= 8);
-  static constexpr size_t kSmemBytes = 1024 + kDataBytes + 2 * 8 * 8;
+  // Room for 16 barriers whatever the stages, so every layout takes the same.
+  static constexpr size_t kSmemBytes = 1024 + 192 * 1024 + 2 * 8 * kMaxStages;
+  static_assert(kDataBytes <= 192 * 1024);
 };
 
 [[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -112,14 +113,16 @@ __device__ __forceinline__ void store_pair(T* y, float a, float b, bool accumula
 }
 
 // --8<-- [start:kernel]
-template <typename T, int BLOCKS_PER_WG>
+template <typename T, int BLOCKS_PER_WG, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map, T* __restrict__ y, int m, int n,
                       int chunks_per_split, int num_chunks, bool accumulate) {
 #ifdef MINI_VLLM_WGMMA
-  using L = Layout<BLOCKS_PER_WG>;
+  using L = Layout<BLOCKS_PER_WG, BN>;
   constexpr int kStages = L::kStages;
+  constexpr int kWTileBytes = L::kWTileBytes;
+  constexpr int kPartStride = L::kPartStride;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The same in every lane (the shuffle tells the compiler so): branches on it
   // do not diverge within a warpgroup, and its wgmma's stay asynchronous.
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-  const int n0 = blockIdx.x * kBN;
+  const int n0 = blockIdx.x * BN;
   const int split = blockIdx.y;  // the cluster spans the splits: also its rank
   const int splits = gridDim.y;
   const int m0 = blockIdx.z * L::kRows;  // this CTA's rows: [m0, m0 + m_cta)
@@ -147,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  float acc[BLOCKS_PER_WG][64];
+  float acc[BLOCKS_PER_WG][BN / 2];
   if (warpgroup == 0) {
     // The producer: one thread issues every copy.
     if (threadIdx.x == 0) {
@@ -175,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < BLOCKS_PER_WG; ++i)
 #pragma unroll
-      for (int r = 0; r < 64; ++r) acc[i][r] = 0.f;
+      for (int r = 0; r < BN / 2; ++r) acc[i][r] = 0.f;
     pdl_wait();  // the epilogue may read y
     for (int c = 0; c < chunks; ++c) {
       const int s = c % kStages;
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < BLOCKS_PER_WG; ++i) {
           const int blk = wg + kConsumers * i;
-          wgmma_m64n128k16<T>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
+          wgmma_m64k16<T, BN>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
                               desc_w);
         }
       }
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (row >= m_cta) continue;
         T* y_row = y_tile + static_cast<int64_t>(row) * n + col_in_pair;
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
           store_pair(y_row + 8 * j, acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1],
                      accumulate);
         }
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         float* p = part + (blk * 64 + row_in_block + 8 * half) * kPartStride + col_in_pair;
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
           *reinterpret_cast<float2*>(p + 8 * j) =
               make_float2(acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1]);
         }
@@ -263,10 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // tile over all of them, in rank order, four columns per thread.
   const int rows = (m_cta + splits - 1) / splits;
   const int row0 = split * rows;
-  const int items = max(0, min(m_cta, row0 + rows) - row0) * (kBN / 4);
+  const int items = max(0, min(m_cta, row0 + rows) - row0) * (BN / 4);
   for (int it = threadIdx.x; it < items; it += kThreads) {
-    const int row = row0 + it / (kBN / 4);
-    const int col = it % (kBN / 4) * 4;
+    const int row = row0 + it / (BN / 4);
+    const int col = it % (BN / 4) * 4;
     const uint32_t addr = ring + (row * kPartStride + col) * 4;
     float4 part[kMaxSplits];  // every rank's loads issued before the first add
 #pragma unroll
@@ -295,12 +298,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // --8<-- [end:kernel]
 
 // --8<-- [start:plan]
-// How a product is cut into CTAs: tiles of 128 outputs by `rows` rows of x
-// (128, or 256 in one CTA), each tile's K split among the `splits` CTAs of a
-// cluster.
+// How a product is cut into CTAs: tiles of `bn` outputs (128 or 64) by
+// `rows` rows of x (128, or 256 in one CTA), each tile's K split among the
+// `splits` CTAs of a cluster.
 struct Plan {
   int rows = 128;
   int splits = 1;
+  int bn = 128;
 };
 
 // A rough time of a plan, in SM cycles: the waves of clusters times what one
@@ -312,15 +316,17 @@ struct Plan {
 // of every plan on an H200 (benchmarks/kernels.py --tables gemm_plans): at
 // Qwen3-0.6B's shapes the plan they pick is the sweep's fastest or within
 // 0.8 us of it.
-double plan_cycles(const Plan& plan, int m, int tiles, int num_chunks, int clusters_at_once) {
+double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_at_once) {
   const int m_tiles = ceil_div(m, plan.rows);
-  const int waves = ceil_div(tiles * m_tiles, std::max(clusters_at_once, 1));
+  const int waves = ceil_div(n / plan.bn * m_tiles, std::max(clusters_at_once, 1));
   const int x_blocks = std::min(ceil_div(m, 64), plan.rows / 64);
   const int chunks = ceil_div(num_chunks, plan.splits);
-  const double per_chunk = std::max(256.0 + 128.0 * x_blocks, 256.0 * (plan.rows / 64));
-  const double reduce =
-      plan.splits > 1 ? 600.0 + 24.0 * std::min(m, plan.rows) + 100.0 * plan.splits : 0.0;
-  return waves * (1500.0 + chunks * per_chunk + reduce);
+  const double w_cycles = 2.0 * plan.bn;  // its W tile, and its products per 64 rows
+  const double per_chunk = std::max(w_cycles + 64.0 * x_blocks, w_cycles * (plan.rows / 64));
+  const double reduce = plan.splits > 1 ? 600.0 + 48.0 * std::min(m, plan.rows) * plan.bn / 128 +
+                                              400.0 * plan.splits
+                                        : 0.0;
+  return waves * (500.0 + chunks * per_chunk + reduce);
 }
 
 // The cheapest plan by plan_cycles: 128-row tiles (and 256 in one CTA when
@@ -328,24 +334,27 @@ double plan_cycles(const Plan& plan, int m, int tiles, int num_chunks, int clust
 // or the rows and splits the caller forced (0: not forced).
 // A cluster's CTAs must sit on SMs of one GPC: at one CTA per SM, an H200
 // runs 30 clusters of 4, not 132 / 4 = 33 (max_active_clusters says how many).
-Plan choose_plan(const void* kernel, size_t smem, int m, int tiles, int num_chunks,
-                 int forced_rows, int forced_splits) {
+Plan choose_plan(const void* kernel, size_t smem, int m, int n, int num_chunks,
+                 int forced_rows, int forced_splits, int forced_bn) {
   Plan best;
   double best_cycles = 0.0;
-  for (const int rows : {128, 256}) {
-    if (forced_rows ? rows != forced_rows : rows == 256 && m <= 128) continue;
-    for (int splits = 1; splits <= std::min(kMaxSplits, num_chunks); ++splits) {
-      const bool even = ceil_div(num_chunks, ceil_div(num_chunks, splits)) == splits;
-      if (forced_splits ? splits != std::min(forced_splits, num_chunks)
-                        : !even || splits > kGemmDefaultMaxSplits) {
-        continue;
-      }
-      const Plan plan{rows, ceil_div(num_chunks, ceil_div(num_chunks, splits))};
-      const double cycles = plan_cycles(plan, m, tiles, num_chunks,
-                                        max_active_clusters(kernel, kThreads, smem, plan.splits));
-      if (best_cycles == 0.0 || cycles < best_cycles) {
-        best = plan;
-        best_cycles = cycles;
+  for (const int bn : {128, 64}) {
+    if (forced_bn && bn != forced_bn) continue;
+    for (const int rows : {128, 256}) {
+      if (forced_rows ? rows != forced_rows : rows == 256 && m <= 128) continue;
+      for (int splits = 1; splits <= std::min(kMaxSplits, num_chunks); ++splits) {
+        const bool even = ceil_div(num_chunks, ceil_div(num_chunks, splits)) == splits;
+        if (forced_splits ? splits != std::min(forced_splits, num_chunks)
+                          : !even || splits > kGemmDefaultMaxSplits) {
+          continue;
+        }
+        const Plan plan{rows, ceil_div(num_chunks, ceil_div(num_chunks, splits)), bn};
+        const double cycles = plan_cycles(
+            plan, m, n, num_chunks, max_active_clusters(kernel, kThreads, smem, plan.splits));
+        if (best_cycles == 0.0 || cycles < best_cycles) {
+          best = plan;
+          best_cycles = cycles;
+        }
       }
     }
   }
@@ -355,24 +364,24 @@ Plan choose_plan(const void* kernel, size_t smem, int m, int tiles, int num_chun
 
 // The kernel for 64 * kConsumers * BLOCKS_PER_WG rows per CTA, set up for
 // its shared memory and for clusters of up to 16.
-template <typename T, int BLOCKS_PER_WG>
+template <typename T, int BLOCKS_PER_WG, int BN>
 const void* prepared_kernel() {
-  const void* kernel = reinterpret_cast<const void*>(gemm_wgmma_kernel<T, BLOCKS_PER_WG>);
+  const void* kernel = reinterpret_cast<const void*>(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN>);
   static const bool large_clusters = [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                "gemm_wgmma: allow clusters of 16");
     return true;
   }();
   (void)large_clusters;
-  allow_dynamic_smem(kernel, Layout<BLOCKS_PER_WG>::kSmemBytes);
+  allow_dynamic_smem(kernel, Layout<BLOCKS_PER_WG, BN>::kSmemBytes);
   return kernel;
 }
 
-template <typename T, int BLOCKS_PER_WG>
+template <typename T, int BLOCKS_PER_WG, int BN>
 void launch(const GemvParams& p, int splits, cudaStream_t stream) {
-  using L = Layout<BLOCKS_PER_WG>;
-  prepared_kernel<T, BLOCKS_PER_WG>();
-  const int tiles = p.n / kBN;
+  using L = Layout<BLOCKS_PER_WG, BN>;
+  prepared_kernel<T, BLOCKS_PER_WG, BN>();
+  const int tiles = p.n / BN;
   const int num_chunks = p.k / kBK;
   const int per = ceil_div(num_chunks, splits);
 
@@ -382,11 +391,11 @@ void launch(const GemvParams& p, int splits, cudaStream_t stream) {
   const uint32_t x_box[2] = {kBK, static_cast<uint32_t>(box_rows)};
   const uint64_t w_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n)};
   const uint64_t w_strides[1] = {static_cast<uint64_t>(p.k) * 2};
-  const uint32_t w_box[2] = {kBK, kBN};
+  const uint32_t w_box[2] = {kBK, BN};
   const CUtensorMap x_map = make_tensor_map(p.x, p.dtype, 2, x_sizes, x_strides, x_box);
   const CUtensorMap w_map = make_tensor_map(p.w, p.dtype, 2, w_sizes, w_strides, w_box);
 
-  launch_kernel_in_clusters(gemm_wgmma_kernel<T, BLOCKS_PER_WG>,
+  launch_kernel_in_clusters(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN>,
                             dim3(tiles, splits, ceil_div(p.m, L::kRows)), dim3(kThreads),
                             dim3(1, splits, 1), L::kSmemBytes, stream, "gemm_wgmma", x_map,
                             w_map, static_cast<T*>(p.y), p.m, p.n, per, num_chunks,
@@ -395,14 +404,16 @@ void launch(const GemvParams& p, int splits, cudaStream_t stream) {
 
 template <typename T>
 void dispatch(const GemvParams& p, cudaStream_t stream) {
-  // Both layouts take the same shared memory: the same clusters fit at once.
-  static_assert(Layout<1>::kSmemBytes == Layout<2>::kSmemBytes);
-  const Plan plan = choose_plan(prepared_kernel<T, 1>(), Layout<1>::kSmemBytes, p.m,
-                                p.n / kBN, p.k / kBK, p.rows_per_cta, p.splits);
-  if (plan.rows == 128) {
-    launch<T, 1>(p, plan.splits, stream);
+  // Every layout takes the same shared memory: the same clusters fit at once.
+  static_assert(Layout<1, 128>::kSmemBytes == Layout<2, 64>::kSmemBytes);
+  const Plan plan = choose_plan(prepared_kernel<T, 1, 128>(), Layout<1, 128>::kSmemBytes, p.m,
+                                p.n, p.k / kBK, p.rows_per_cta, p.splits, p.tile_n);
+  if (plan.bn == 128) {
+    plan.rows == 128 ? launch<T, 1, 128>(p, plan.splits, stream)
+                     : launch<T, 2, 128>(p, plan.splits, stream);
   } else {
-    launch<T, 2>(p, plan.splits, stream);
+    plan.rows == 128 ? launch<T, 1, 64>(p, plan.splits, stream)
+                     : launch<T, 2, 64>(p, plan.splits, stream);
   }
 }
 
@@ -425,7 +436,7 @@ void gemm_wgmma(const GemvParams& p, cudaStream_t stream) {
   if (p.m < 1 || p.m > kGemmMaxRows) {
     throw std::invalid_argument("gemm_wgmma: m must be 1 to " + std::to_string(kGemmMaxRows));
   }
-  if (p.n <= 0 || p.n % kBN || p.k <= 0 || p.k % kBK) {
+  if (p.n <= 0 || p.n % 128 || p.k <= 0 || p.k % kBK) {
     throw std::invalid_argument("gemm_wgmma: n must be a multiple of 128 and k of 64");
   }
   if (p.splits < 0 || p.splits > kMaxSplits) {
@@ -433,6 +444,9 @@ void gemm_wgmma(const GemvParams& p, cudaStream_t stream) {
   }
   if (p.rows_per_cta != 0 && p.rows_per_cta != 128 && p.rows_per_cta != 256) {
     throw std::invalid_argument("gemm_wgmma: rows_per_cta must be 0 (the kernel's choice), 128 or 256");
+  }
+  if (p.tile_n != 0 && p.tile_n != 64 && p.tile_n != 128) {
+    throw std::invalid_argument("gemm_wgmma: tile_n must be 0 (the kernel's choice), 64 or 128");
   }
   if (p.dtype == DType::kBFloat16) {
     dispatch<__nv_bfloat16>(p, stream);

@@ -52,16 +52,17 @@ void register_gemv_ops(py::module_& m) {
       "gemm_wgmma",
       [](std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, int rows, int n, int k,
          int64_t x_stride, int dtype, std::uintptr_t stream, int splits, bool accumulate,
-         int rows_per_cta) {
+         int rows_per_cta, int tile_n) {
         GemvParams p = params(y, x, w, rows, n, k, x_stride, dtype, splits, accumulate);
         p.rows_per_cta = rows_per_cta;
+        p.tile_n = tile_n;
         gemm_wgmma(p, as_stream(stream));
       },
       "y[rows, n] = x[rows, k] @ w[n, k]^T (y += ... with accumulate) for 1 to GEMM_MAX_ROWS "
       "rows on sm_90a (TMA + wgmma; see csrc/gemm_wgmma.cu).",
       py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("dtype"), py::arg("stream"), py::arg("splits") = 0,
-      py::arg("accumulate") = false, py::arg("rows_per_cta") = 0);
+      py::arg("accumulate") = false, py::arg("rows_per_cta") = 0, py::arg("tile_n") = 0);
 }
 
 }  // namespace mini_vllm

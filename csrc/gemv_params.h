@@ -40,6 +40,8 @@ struct GemvParams {
   bool accumulate = false;
   // gemm_wgmma only: rows of x per CTA, 128 or 256; 0: the kernel's choice.
   int rows_per_cta = 0;
+  // gemm_wgmma only: output features per CTA, 64 or 128; 0: the kernel's choice.
+  int tile_n = 0;
 };
 
 void gemv(const GemvParams& p, cudaStream_t stream);

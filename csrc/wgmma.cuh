@@ -110,6 +110,51 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
 }
 // --8<-- [end:mma]
 
+#define MINI_VLLM_WGMMA_D32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+#define MINI_VLLM_WGMMA_N64(PTX_TYPE) \
+  "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n" \
+  " wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, %32, %33, p, 1, 1, 0, 0;\n}"
+
+// The same product for a 16 x 64 tile of B: d[64 x 64], the fragment layout
+// of wgmma_m64n128k16 for j = 0 .. 7.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
+                                                uint64_t desc_b) {
+#ifdef MINI_VLLM_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(MINI_VLLM_WGMMA_N64("bf16") : MINI_VLLM_WGMMA_D32 : "l"(desc_a), "l"(desc_b));
+  } else {
+    asm volatile(MINI_VLLM_WGMMA_N64("f16") : MINI_VLLM_WGMMA_D32 : "l"(desc_a), "l"(desc_b));
+  }
+#else
+  (void)d;
+  (void)desc_a;
+  (void)desc_b;
+#endif
+}
+
+// d[64 x N] += A[64 x 16] * B[N x 16]^T for N = 64 or 128.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a,
+                                             uint64_t desc_b) {
+  static_assert(N == 64 || N == 128, "wgmma tiles of 64 or 128 columns");
+  if constexpr (N == 128) {
+    wgmma_m64n128k16<T>(d, desc_a, desc_b);
+  } else {
+    wgmma_m64n64k16<T>(d, desc_a, desc_b);
+  }
+}
+
+#undef MINI_VLLM_WGMMA_N64
+#undef MINI_VLLM_WGMMA_D32
 #undef MINI_VLLM_WGMMA_N128
 #undef MINI_VLLM_WGMMA_D64
 

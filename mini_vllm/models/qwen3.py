@@ -55,8 +55,8 @@ class Linear(nn.Module):
         use_kernels: multiply 1 to 16 rows (a decode step of up to 16
             sequences) with the skinny-GEMM kernel of `mini_vllm.ops.gemv`
             when it can run them, and the shapes where `gemm_wgmma` beats
-            cuBLAS on Hopper (`gemm_wgmma_pays`: up to 64 rows, up to 2,048
-            outputs); cuBLAS (`F.linear`) does everything else.
+            cuBLAS on Hopper (`gemm_wgmma_pays`: up to 128 rows, K up to
+            3,072); cuBLAS (`F.linear`) does everything else.
     """
 
     def __init__(

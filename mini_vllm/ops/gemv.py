@@ -30,6 +30,7 @@ GEMV_SPLITS = (0, 1, 2, 4, 8, 16)  # 0: the kernel picks
 GEMM_MAX_ROWS = 256  # kGemmMaxRows in csrc/gemv_params.h
 GEMM_MAX_SPLITS = 16  # the largest thread-block cluster of sm_90
 GEMM_ROWS_PER_CTA = (0, 128, 256)  # 0: the kernel picks
+GEMM_TILE_N = (0, 64, 128)  # outputs per CTA; 0: the kernel picks
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -131,25 +132,29 @@ def gemm_wgmma_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 # --8<-- [start:gemm_wgmma_pays]
-# Where gemm_wgmma beats cuBLAS on an H200 (benchmarks/kernels.py --tables gemm):
-# narrow outputs, whose few tiles of 128 leave cuBLAS most SMs idle while
-# gemm_wgmma splits K over clusters of 8, at up to one block of 64 rows.
-GEMM_WGMMA_PAYS_MAX_ROWS = 64
-GEMM_WGMMA_PAYS_MAX_N = 2048
+# Where gemm_wgmma makes a decode step faster than cuBLAS on an H200
+# (benchmarks/step_profile.py, chapter 9): every product of Qwen3-0.6B's
+# layers (K of at most 3,072) at up to one tile of 128 rows. Within the
+# step's CUDA graph it starts under the kernel before it (programmatic
+# launch), which cuBLAS's kernels do not; the larger products of Qwen3-8B
+# stay with cuBLAS, which is faster per call at most of them.
+GEMM_WGMMA_PAYS_MAX_ROWS = 128
+GEMM_WGMMA_PAYS_MAX_K = 3072
 
 
 def gemm_wgmma_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the model should multiply with `gemm_wgmma` rather than cuBLAS:
-    it can run (`gemm_wgmma_usable`), x has at most 64 rows and the weight at
-    most 2,048 (Qwen3-0.6B's o_proj and down_proj)."""
+    it can run (`gemm_wgmma_usable`), x has at most 128 rows and K is at most
+    3,072 (every layer of Qwen3-0.6B but the lm_head)."""
     return (x.dim() == 2 and x.shape[0] <= GEMM_WGMMA_PAYS_MAX_ROWS
-            and weight.dim() == 2 and weight.shape[0] <= GEMM_WGMMA_PAYS_MAX_N
+            and x.shape[1] <= GEMM_WGMMA_PAYS_MAX_K
             and gemm_wgmma_usable(x, weight))
 # --8<-- [end:gemm_wgmma_pays]
 
 
 def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-               splits: int = 0, accumulate: bool = False, rows_per_cta: int = 0) -> torch.Tensor:
+               splits: int = 0, accumulate: bool = False, rows_per_cta: int = 0,
+               tile_n: int = 0) -> torch.Tensor:
     """`x @ weight.T` for 1 to 256 rows on Hopper (TMA + wgmma): decode steps of 17 to 256.
 
     A CTA computes 128 outputs for 128 rows (or for all 256 in one CTA);
@@ -169,6 +174,7 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         accumulate: `out += x @ weight.T`, the sum rounded once; `out` is then required.
         rows_per_cta: rows of x a CTA takes, 128 or 256; 0 lets the kernel
             choose (with `splits`, for tests and tuning).
+        tile_n: outputs a CTA takes, 64 or 128; 0 lets the kernel choose.
 
     Returns:
         `out`, or a new [rows, N] tensor.
@@ -181,6 +187,8 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         raise ValueError(f"splits must be 0 to {GEMM_MAX_SPLITS}, got {splits}")
     if rows_per_cta not in GEMM_ROWS_PER_CTA:
         raise ValueError(f"rows_per_cta must be one of {GEMM_ROWS_PER_CTA}, got {rows_per_cta}")
+    if tile_n not in GEMM_TILE_N:
+        raise ValueError(f"tile_n must be one of {GEMM_TILE_N}, got {tile_n}")
     out, device = _check_product(x, weight, out, accumulate, max_rows=GEMM_MAX_ROWS,
                                  k_multiple=64, n_multiple=128, kernel="gemm_wgmma")
     if _wgmma_tiles_limit(device) == 0:
@@ -190,7 +198,7 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
     extension().gemm_wgmma(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows,
                            weight.shape[0], k, x.stride(0), dtype_code(x.dtype),
                            torch.cuda.current_stream(device).cuda_stream, splits, accumulate,
-                           rows_per_cta)
+                           rows_per_cta, tile_n)
     return out
 
 

@@ -358,6 +358,8 @@ def test_gemm_wgmma_rejects_bad_arguments():
         gemm_wgmma(x, w, splits=17)
     with pytest.raises(ValueError, match="rows_per_cta"):
         gemm_wgmma(x, w, rows_per_cta=64)
+    with pytest.raises(ValueError, match="tile_n"):
+        gemm_wgmma(x, w, tile_n=32)
     with pytest.raises(ValueError, match="accumulate=True adds into out"):
         gemm_wgmma(x, w, accumulate=True)
     assert not gemm_wgmma_usable(x, w)  # on the CPU
@@ -385,14 +387,17 @@ def test_gemm_wgmma_every_split(k, n, splits):
 
 @needs_wgmma
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [64, 128])
 @pytest.mark.parametrize("rows_per_cta", [128, 256])
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("k, n", [(1024, 4096), (3072, 1024), (2048, 1024)])
-def test_gemm_wgmma_every_plan(k, n, splits, rows_per_cta):
-    """Both tilings of the rows, whatever the plan would pick: a grid of 128-row
-    tiles (the last one partial) or all rows in one CTA, with and without a split of K."""
+def test_gemm_wgmma_every_plan(k, n, splits, rows_per_cta, tile_n):
+    """Every tiling, whatever the plan would pick: tiles of 64 or 128 outputs, by
+    a grid of 128-row tiles (the last one partial) or all rows in one CTA, with
+    and without a split of K."""
     _check_shape(k, n, torch.bfloat16, [3, 64, 100, 128, 129, 200, 256], splits=splits,
-                 product=functools.partial(gemm_wgmma, rows_per_cta=rows_per_cta))
+                 product=functools.partial(gemm_wgmma, rows_per_cta=rows_per_cta,
+                                           tile_n=tile_n))
 
 
 @needs_wgmma
@@ -438,9 +443,9 @@ def test_gemm_wgmma_in_cuda_graph(rows):
 @needs_wgmma
 @pytest.mark.gpu
 def test_linear_sends_the_shapes_where_wgmma_pays_to_it(monkeypatch):
-    """`Linear` picks the product by shape: o_proj / down_proj (1,024 outputs) at 17 to
-    64 rows go to gemm_wgmma, forward and add_to; qkv-sized outputs and 65 rows stay
-    cuBLAS's. Every result matches cuBLAS."""
+    """`Linear` picks the product by shape: Qwen3-0.6B's o_proj and qkv_proj at 17 to
+    128 rows go to gemm_wgmma, forward and add_to; 129 rows, and a product over K =
+    4,096 (Qwen3-8B's), stay cuBLAS's. Every result matches cuBLAS."""
     dev, dtype = "cuda", torch.bfloat16
     calls: list[tuple[int, int]] = []
 
@@ -451,9 +456,10 @@ def test_linear_sends_the_shapes_where_wgmma_pays_to_it(monkeypatch):
     monkeypatch.setattr(qwen3, "gemm_wgmma", spy)
     o_proj = Linear(2048, [1024], device=dev, dtype=dtype, use_kernels=True)
     qkv = Linear(1024, [2048, 1024, 1024], device=dev, dtype=dtype, use_kernels=True)
-    for layer in (o_proj, qkv):
+    wide_k = Linear(4096, [1024], device=dev, dtype=dtype, use_kernels=True)
+    for layer in (o_proj, qkv, wide_k):
         layer.weight.copy_(torch.randn_like(layer.weight) * layer.weight.shape[1] ** -0.5)
-    for rows in (17, 40, 64, 65):
+    for rows in (17, 40, 64, 65, 128, 129):
         calls.clear()
         x = torch.randn(rows, 2048, device=dev, dtype=dtype)
         torch.testing.assert_close(o_proj(x), F.linear(x, o_proj.weight), rtol=2e-2, atol=2e-2)
@@ -461,7 +467,9 @@ def test_linear_sends_the_shapes_where_wgmma_pays_to_it(monkeypatch):
         want = residual.clone().addmm_(x, o_proj.weight.t())
         o_proj.add_to(x, residual)
         torch.testing.assert_close(residual, want, rtol=2e-2, atol=2e-2)
-        qkv(torch.randn(rows, 1024, device=dev, dtype=dtype))
-        expected = [(rows, 1024)] * 2 if rows <= 64 else []
+        qkv_x = torch.randn(rows, 1024, device=dev, dtype=dtype)
+        torch.testing.assert_close(qkv(qkv_x), F.linear(qkv_x, qkv.weight), rtol=2e-2, atol=2e-2)
+        wide_k(torch.randn(rows, 4096, device=dev, dtype=dtype))
+        expected = [(rows, 1024)] * 2 + [(rows, 4096)] if rows <= 128 else []
         assert calls == expected, f"rows={rows}: {calls}"
-        assert gemm_wgmma_pays(x, o_proj.weight) == (rows <= 64)
+        assert gemm_wgmma_pays(x, o_proj.weight) == (rows <= 128)
