@@ -6,28 +6,29 @@
 // once per 16 rows), too few for a GEMM's usual tiles to fill 132 SMs. cuBLAS
 // spends 5 to 8 microseconds on each such product whatever M is, two to four
 // times what reading W takes. This kernel is built for these shapes; the
-// model uses it where it measured faster than cuBLAS (`gemm_wgmma_pays`:
-// the 1,024-wide o_proj and down_proj at up to 64 rows, chapter 9):
+// model uses it where it made the decode step faster than cuBLAS
+// (`gemm_wgmma_pays`: Qwen3-0.6B's products at up to 128 rows, chapter 9):
 //
-//   - A CTA computes a tile of 128 output features by 128 rows of x (a grid
-//     over the blocks of 128 rows), or by all 256 rows in one CTA; W is read
-//     from HBM once and again from L2 by the second block of rows, x by
-//     every tile of outputs, from L2.
+//   - A CTA computes a tile of 128 or 64 output features (BN) by 128 rows of
+//     x (a grid over the blocks of 128 rows), or by all 256 rows in one CTA;
+//     W is read from HBM once and again from L2 by the second block of rows,
+//     x by every tile of outputs, from L2.
 //   - K is split among the CTAs of a thread-block cluster (at most 8; a
 //     cluster's CTAs must share a GPC, so only 30 clusters of 4 fit on an
 //     H200, not 33). The cluster adds its partial tiles through distributed
 //     shared memory, in a fixed order, and each output is rounded once. The
-//     host picks the rows per CTA and the split by a rough count of cycles
-//     (plan_cycles).
+//     host picks the tile width, the rows per CTA and the split by a rough
+//     count of cycles (plan_cycles).
 //   - One thread of a producer warpgroup copies 64-wide slices of K of W and
-//     of x into a ring of six (or four) stages with the TMA (the 128-byte
+//     of x into a ring of four to eight stages with the TMA (the 128-byte
 //     swizzle), counting their bytes on the stage's mbarrier. Its first W
 //     tiles are issued before the wait of programmatic launch: they overlap
 //     the kernel before (weights are never written by a step).
-//   - Two consumer warpgroups multiply each stage with wgmma (m64n128k16,
-//     both operands read from shared memory) into float32 registers, each
-//     taking every other block of 64 rows of x, and hand a stage back on its
-//     "empty" mbarrier once the products of the next one are under way.
+//   - Two consumer warpgroups multiply each stage with wgmma (m64n128k16 or
+//     m64n64k16, both operands read from shared memory) into float32
+//     registers, each taking every other block of 64 rows of x, and hand a
+//     stage back on its "empty" mbarrier once the products of the next one
+//     are under way.
 #include <algorithm>
 #include <string>
 
@@ -308,14 +309,14 @@ struct Plan {
 };
 
 // A rough time of a plan, in SM cycles: the waves of clusters times what one
-// CTA does. Per 64-wide slice of K a CTA copies 16 KB of W and 8 KB per 64
-// rows of x (at about 64 bytes a cycle from L2) while its tensor cores take
-// 256 cycles per 64 rows it multiplies (its consumers multiply every block,
-// filled or not); a split adds the sum of the partial tiles through
-// distributed shared memory. The constants are set by hand against a sweep
-// of every plan on an H200 (benchmarks/kernels.py --tables gemm_plans): at
-// Qwen3-0.6B's shapes the plan they pick is the sweep's fastest or within
-// 0.8 us of it.
+// CTA does. Per 64-wide slice of K a CTA copies BN x 64 of W (16 or 8 KB, at
+// about 64 bytes a cycle) and 8 KB per 64 rows of x (mostly from L2, counted
+// at twice that rate) while its tensor cores take 2 BN cycles per 64 rows it
+// multiplies (its consumers multiply every block, filled or not); a split
+// adds the sum of the partial tiles through distributed shared memory. The
+// constants were fitted by hand to a sweep of every plan on an H200
+// (benchmarks/kernels.py --tables gemm_plans): at Qwen3-0.6B's shapes the
+// plan they pick is the sweep's fastest or within 0.31 us of it.
 double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_at_once) {
   const int m_tiles = ceil_div(m, plan.rows);
   const int waves = ceil_div(n / plan.bn * m_tiles, std::max(clusters_at_once, 1));
@@ -329,9 +330,10 @@ double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_
   return waves * (500.0 + chunks * per_chunk + reduce);
 }
 
-// The cheapest plan by plan_cycles: 128-row tiles (and 256 in one CTA when
-// m > 128), every split of up to kGemmDefaultMaxSplits that cuts K evenly;
-// or the rows and splits the caller forced (0: not forced).
+// The cheapest plan by plan_cycles: tiles of 128 or 64 outputs, 128-row
+// tiles (and 256 in one CTA when m > 128), every split of up to
+// kGemmDefaultMaxSplits that cuts K evenly; or the tile width, rows and
+// splits the caller forced (0: not forced).
 // A cluster's CTAs must sit on SMs of one GPC: at one CTA per SM, an H200
 // runs 30 clusters of 4, not 132 / 4 = 33 (max_active_clusters says how many).
 Plan choose_plan(const void* kernel, size_t smem, int m, int n, int num_chunks,

@@ -49,10 +49,10 @@ void gemv(const GemvParams& p, cudaStream_t stream);
 // The same product for up to 256 rows on Hopper (csrc/gemm_wgmma.cu): the
 // decode steps of 17 to 256 sequences. Takes GemvParams with 1 <= m <=
 // kGemmMaxRows, n a multiple of 128, k a multiple of 64, x_stride a multiple
-// of 8; `splits` is the number of CTAs of a cluster that share a tile of 128
-// outputs, each summing a slice of k (1 to 16), and `rows_per_cta` the rows
-// of x a CTA takes (128 or 256); 0 for either: the kernel's choice
-// (choose_plan, at most kGemmDefaultMaxSplits splits).
+// of 8; `splits` is the number of CTAs of a cluster that share a tile of
+// outputs, each summing a slice of k (1 to 16), `rows_per_cta` the rows of x
+// a CTA takes (128 or 256) and `tile_n` its outputs (128 or 64); 0 for any:
+// the kernel's choice (choose_plan, at most kGemmDefaultMaxSplits splits).
 constexpr int kGemmMaxRows = 256;
 constexpr int kGemmDefaultMaxSplits = 8;
 bool wgmma_gemm_supported();  // an sm_90 GPU, and the module built for sm_90a

@@ -157,7 +157,7 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
                tile_n: int = 0) -> torch.Tensor:
     """`x @ weight.T` for 1 to 256 rows on Hopper (TMA + wgmma): decode steps of 17 to 256.
 
-    A CTA computes 128 outputs for 128 rows (or for all 256 in one CTA);
+    A CTA computes 128 or 64 outputs for 128 rows (or for all 256 in one CTA);
     the CTAs of a cluster split K and add their partial sums in a fixed
     order, and each output is rounded once (`csrc/gemm_wgmma.cu`). Needs an
     sm_90 GPU and a module built for sm_90a (`gemm_wgmma_usable`). Like
@@ -169,7 +169,7 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
             rows dense and 16-byte aligned; K a multiple of 64.
         weight: [N, K] contiguous, same dtype; N a multiple of 128.
         out: [rows, N] contiguous tensor to write into (a new one when None).
-        splits: CTAs of a cluster that share a tile of 128 outputs, each
+        splits: CTAs of a cluster that share a tile of outputs, each
             summing a slice of K (1 to 16); 0 lets the kernel choose (at most 8).
         accumulate: `out += x @ weight.T`, the sum rounded once; `out` is then required.
         rows_per_cta: rows of x a CTA takes, 128 or 256; 0 lets the kernel
