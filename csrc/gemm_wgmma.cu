@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   pdl_launch_dependents();
 
-  // Where this thread's accumulators sit in the tile (see wgmma_m64n128k16).
+  // Where this thread's accumulators sit in the tile (see wgmma_m64k16).
   const int lane = threadIdx.x % 32;
   const int row_in_block = (threadIdx.x / 32) % 4 * 16 + lane / 4;
   const int col_in_pair = 2 * (lane % 4);

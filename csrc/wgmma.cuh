@@ -88,28 +88,6 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
   "}, %64, %65, p, 1, 1, 0, 0;\n}"
 
-// --8<-- [start:mma]
-// d[64 x 128] += A[64 x 16] * B[128 x 16]^T, A and B K-major in shared memory
-// (the descriptors). Thread t of the warpgroup (warp w = t / 32, lane l)
-// holds, for j = 0 .. 15, d[4j] and d[4j + 1] at row 16 w + l / 4, columns
-// 8 j + 2 (l % 4) and the next, and d[4j + 2], d[4j + 3] eight rows below.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a,
-                                                 uint64_t desc_b) {
-#ifdef MINI_VLLM_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(MINI_VLLM_WGMMA_N128("bf16") : MINI_VLLM_WGMMA_D64 : "l"(desc_a), "l"(desc_b));
-  } else {
-    asm volatile(MINI_VLLM_WGMMA_N128("f16") : MINI_VLLM_WGMMA_D64 : "l"(desc_a), "l"(desc_b));
-  }
-#else
-  (void)d;
-  (void)desc_a;
-  (void)desc_b;
-#endif
-}
-// --8<-- [end:mma]
-
 #define MINI_VLLM_WGMMA_D32 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
@@ -123,13 +101,23 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
   "}, %32, %33, p, 1, 1, 0, 0;\n}"
 
-// The same product for a 16 x 64 tile of B: d[64 x 64], the fragment layout
-// of wgmma_m64n128k16 for j = 0 .. 7.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
-                                                uint64_t desc_b) {
+// --8<-- [start:mma]
+// d[64 x N] += A[64 x 16] * B[N x 16]^T for N = 128 or 64, A and B K-major in
+// shared memory (the descriptors). Thread t of the warpgroup (warp w = t / 32,
+// lane l) holds, for j = 0 .. N / 8 - 1, d[4j] and d[4j + 1] at row
+// 16 w + l / 4, columns 8 j + 2 (l % 4) and the next, and d[4j + 2], d[4j + 3]
+// eight rows below.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a,
+                                             uint64_t desc_b) {
+  static_assert(N == 64 || N == 128, "wgmma tiles of 64 or 128 columns");
 #ifdef MINI_VLLM_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 128 && kBf16) {
+    asm volatile(MINI_VLLM_WGMMA_N128("bf16") : MINI_VLLM_WGMMA_D64 : "l"(desc_a), "l"(desc_b));
+  } else if constexpr (N == 128) {
+    asm volatile(MINI_VLLM_WGMMA_N128("f16") : MINI_VLLM_WGMMA_D64 : "l"(desc_a), "l"(desc_b));
+  } else if constexpr (kBf16) {
     asm volatile(MINI_VLLM_WGMMA_N64("bf16") : MINI_VLLM_WGMMA_D32 : "l"(desc_a), "l"(desc_b));
   } else {
     asm volatile(MINI_VLLM_WGMMA_N64("f16") : MINI_VLLM_WGMMA_D32 : "l"(desc_a), "l"(desc_b));
@@ -140,18 +128,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
   (void)desc_b;
 #endif
 }
-
-// d[64 x N] += A[64 x 16] * B[N x 16]^T for N = 64 or 128.
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a,
-                                             uint64_t desc_b) {
-  static_assert(N == 64 || N == 128, "wgmma tiles of 64 or 128 columns");
-  if constexpr (N == 128) {
-    wgmma_m64n128k16<T>(d, desc_a, desc_b);
-  } else {
-    wgmma_m64n64k16<T>(d, desc_a, desc_b);
-  }
-}
+// --8<-- [end:mma]
 
 #undef MINI_VLLM_WGMMA_N64
 #undef MINI_VLLM_WGMMA_D32
