@@ -48,8 +48,9 @@ order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
 16 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x and y,
 each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
-``gemm_plans`` (``gemm_wgmma`` at every plan, rows per CTA by splits of K, at
-Qwen3-0.6B's shapes: the sweep that sets the constants of its ``plan_cycles``),
+``gemm_plans`` (``gemm_wgmma`` at every plan, tile width by rows per CTA by
+splits of K, at Qwen3-0.6B's shapes: the sweep that sets the constants of its
+``plan_cycles``; path ``ours_r128s4t64`` is 128 rows, 4 splits, 64 outputs),
 ``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
 layer calls them, at 1 to 8,192 tokens)::
 
@@ -904,7 +905,7 @@ def run(args: argparse.Namespace) -> dict:
                                     variants={f"s{s}": {"splits": s} for s in (4, 8, 16)})
         save()
     if "gemm_plans" in tables:
-        print(f"gemm_plans: gemm_wgmma at every plan (rows per CTA x splits), "
+        print(f"gemm_plans: gemm_wgmma at every plan (tile width x rows per CTA x splits), "
               f"{GEMM_PLAN_ROWS} rows, bf16")
         result["gemm_plans"] = bench_gemv(
             copy_bw, device, rows=GEMM_PLAN_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
