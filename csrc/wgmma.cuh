@@ -69,37 +69,39 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define MINI_VLLM_WGMMA_D64 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-#define MINI_VLLM_WGMMA_N128(PTX_TYPE) \
-  "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n" \
-  " wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-  "}, %64, %65, p, 1, 1, 0, 0;\n}"
-
+// The accumulator operands of a product of N = 64 or 128 columns: 32 or 64
+// floats per thread, the first 32 shared.
 #define MINI_VLLM_WGMMA_D32 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define MINI_VLLM_WGMMA_D64 \
+  MINI_VLLM_WGMMA_D32, \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-#define MINI_VLLM_WGMMA_N64(PTX_TYPE) \
-  "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n" \
-  " wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {" \
+// Their names in the PTX template, then the two descriptors after them.
+#define MINI_VLLM_WGMMA_R32 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}, %32, %33, p, 1, 1, 0, 0;\n}"
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MINI_VLLM_WGMMA_R64 \
+  MINI_VLLM_WGMMA_R32 ", " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// d += A * B^T for the shape "m64nNk16", float32 sums of PTX_TYPE operands,
+// the accumulators' names REGS and the descriptors' DESCS.
+#define MINI_VLLM_WGMMA_PTX(SHAPE, PTX_TYPE, REGS, DESCS) \
+  "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n" \
+  " wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX_TYPE "." PTX_TYPE " {" \
+  REGS "}, " DESCS ", p, 1, 1, 0, 0;\n}"
+#define MINI_VLLM_WGMMA_N128(PTX_TYPE) \
+  MINI_VLLM_WGMMA_PTX("m64n128k16", PTX_TYPE, MINI_VLLM_WGMMA_R64, "%64, %65")
+#define MINI_VLLM_WGMMA_N64(PTX_TYPE) \
+  MINI_VLLM_WGMMA_PTX("m64n64k16", PTX_TYPE, MINI_VLLM_WGMMA_R32, "%32, %33")
 
 // --8<-- [start:mma]
 // d[64 x N] += A[64 x 16] * B[N x 16]^T for N = 128 or 64, A and B K-major in
@@ -131,8 +133,11 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a,
 // --8<-- [end:mma]
 
 #undef MINI_VLLM_WGMMA_N64
-#undef MINI_VLLM_WGMMA_D32
 #undef MINI_VLLM_WGMMA_N128
+#undef MINI_VLLM_WGMMA_PTX
+#undef MINI_VLLM_WGMMA_R64
+#undef MINI_VLLM_WGMMA_R32
 #undef MINI_VLLM_WGMMA_D64
+#undef MINI_VLLM_WGMMA_D32
 
 }  // namespace mini_vllm
