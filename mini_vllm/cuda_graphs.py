@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -62,15 +63,26 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMe
 def capture_stream(device: torch.device) -> Iterator[None]:
     """Warm up and capture on a side stream, the device synchronised before and after.
 
-    As `torch.cuda.graph()` does, without its per-capture `gc.collect()`;
-    warming up on the same stream makes per-stream library workspaces exist
-    before capture.
+    Warming up on the same stream makes per-stream library workspaces exist
+    before capture. Python's cyclic garbage collector is held off throughout:
+    it runs at whatever allocation crosses its threshold, and if it then frees
+    an object in a reference cycle that owns a CUDA graph or CUDA memory (an
+    earlier runner's, say), that free happens inside the capture, which CUDA
+    forbids: the capture breaks. `torch.cuda.graph()` collects before each
+    capture for the same reason; here one collection comes first, then none.
     """
-    stream = torch.cuda.Stream(device)
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.synchronize(device)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        stream = torch.cuda.Stream(device)
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.synchronize(device)
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # --8<-- [start:token_inputs]

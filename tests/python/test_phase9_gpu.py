@@ -8,6 +8,7 @@ the torch fallbacks, so CI checks it too.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -277,6 +278,47 @@ def test_graph_replay_equals_eager_and_padding_touches_nothing(tiny_model_dir: P
     entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
     _assert_graph_equals_eager(runner, entries, dtype)
     _assert_padding_wrote_nothing(runner, tables)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_is_safe_from_garbage_that_owns_cuda_graphs(tiny_model_dir: Path) -> None:
+    """A CUDA graph held only by a reference cycle (an earlier runner's, say) is freed
+    by the cyclic collector, which runs at any allocation past its threshold. Were it
+    to run inside a capture, the freed graph would break that capture: the runners
+    capture with the collector held off, after one collection."""
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+    graphs = runner.graph_runner
+    held = []  # graphs with memory of their own pools, soon held only by a cycle
+    for _ in range(4):
+        graph, x = torch.cuda.CUDAGraph(), torch.zeros(1 << 20, device="cuda")
+        with torch.cuda.graph(graph):
+            y = x + 1  # allocated from the graph's pool
+        held.append((graph, x, y))
+    del graph, x, y
+    forward, threshold = graphs.forward, gc.get_threshold()
+
+    def forward_under_pressure(*args: object) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing() and held:
+            cycle: dict[str, object] = {"held": list(held)}
+            cycle["self"] = cycle
+            held.clear()  # garbage now: only the collector can free the graphs ...
+            del cycle
+            gc.set_threshold(1)
+            _ = [[i] for i in range(100)]  # ... and these allocations would run it
+        return forward(*args)
+
+    graphs.forward = forward_under_pressure
+    try:
+        graphs.capture()
+    finally:
+        graphs.forward = forward
+        gc.set_threshold(*threshold)
+    assert not held and gc.isenabled()  # the garbage was made inside the capture
+    # The graphs captured under that pressure still compute what the eager forward does.
+    seqs, tables = _prefilled(runner, 5)
+    entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
+    _assert_graph_equals_eager(runner, entries, "bfloat16")
 
 
 @pytest.mark.gpu
