@@ -723,20 +723,23 @@ def bench_fused(copy_bw: float, device: torch.device,
         gate_ups = [torch.randn(t, 2 * inter, device=device, dtype=DTYPE)
                     for _ in range(rotations)]
         residuals = [torch.randn(t, hidden, device=device, dtype=DTYPE) for _ in range(rotations)]
+        # path -> (kernel, calls): each kernel as the model calls it, then q/k-norm
+        # + RoPE with each number of heads per warp forced ("qk_norm_rope_h4").
         calls = {
-            "qk_norm_rope": [lambda x=x, r=r, pos=positions, cache=(k_cache, v_cache),
-                             slots=slots: layer_ops.qk_norm_rope(
-                x, qw, kw, rope.cos_sin_cache, pos, hq, hkv, d, 1e-6,
-                kv_cache=cache, slot_mapping=slots, residual=r)
-                for x, r in zip(qkvs, residuals)],
-            "silu_and_mul": [lambda x=x, r=r: layer_ops.silu_and_mul(x, r)
-                             for x, r in zip(gate_ups, residuals)],
-        }
+            f"qk_norm_rope{f'_h{h}' if h else ''}": ("qk_norm_rope", [
+                lambda x=x, r=r, pos=positions, cache=(k_cache, v_cache), slots=slots, h=h:
+                layer_ops.qk_norm_rope(x, qw, kw, rope.cos_sin_cache, pos, hq, hkv, d, 1e-6,
+                                       kv_cache=cache, slot_mapping=slots, residual=r,
+                                       heads_per_warp=h)
+                for x, r in zip(qkvs, residuals)])
+            for h in (0, 1, 2, 4)}
+        calls["silu_and_mul"] = ("silu_and_mul", [lambda x=x, r=r: layer_ops.silu_and_mul(x, r)
+                                                  for x, r in zip(gate_ups, residuals)])
         row = {"tokens": t, "rotations": rotations, "paths": {}}
-        for name, fns in calls.items():
+        for name, (kernel, fns) in calls.items():
             sec = time_calls(fns, use_graph=True)
-            bw = per_call[name] / sec
-            row["paths"][name] = {"us": sec * 1e6, "bytes": per_call[name], "gbps": bw / 1e9,
+            bw = per_call[kernel] / sec
+            row["paths"][name] = {"us": sec * 1e6, "bytes": per_call[kernel], "gbps": bw / 1e9,
                                   "frac_copy": bw / copy_bw}
         result.append(row)
         print(f"  tokens={t:5d}  " + "  ".join(

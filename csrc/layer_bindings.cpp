@@ -41,8 +41,10 @@ void register_layer_ops(py::module_& m) {
          std::uintptr_t cos_sin_cache, std::uintptr_t positions, int num_tokens,
          int num_q_heads, int num_kv_heads, int head_dim, int64_t token_stride, float eps,
          int dtype, std::uintptr_t stream, std::uintptr_t k_cache, std::uintptr_t v_cache,
-         std::uintptr_t slot_mapping, std::uintptr_t residual, int hidden, float residual_eps) {
+         std::uintptr_t slot_mapping, std::uintptr_t residual, int hidden, float residual_eps,
+         int heads_per_warp) {
         QkNormRopeParams p;
+        p.heads_per_warp = heads_per_warp;
         p.residual = as_ptr<const void>(residual);
         p.hidden = hidden;
         p.residual_eps = residual_eps;
@@ -71,7 +73,7 @@ void register_layer_ops(py::module_& m) {
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("token_stride"), py::arg("eps"),
       py::arg("dtype"), py::arg("stream"), py::arg("k_cache") = 0, py::arg("v_cache") = 0,
       py::arg("slot_mapping") = 0, py::arg("residual") = 0, py::arg("hidden") = 0,
-      py::arg("residual_eps") = 1e-6f);
+      py::arg("residual_eps") = 1e-6f, py::arg("heads_per_warp") = 0);
 
   m.def(
       "silu_and_mul",

@@ -144,7 +144,7 @@ struct alignas(sizeof(T) * N) Packed {
   T v[N];
 };
 
-template <typename T, int D, bool CACHE, bool SCALED>
+template <typename T, int D, bool CACHE, bool SCALED, int HPW>
 __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
     T* __restrict__ qkv, T* __restrict__ k_cache, T* __restrict__ v_cache,
     const int64_t* __restrict__ slot_mapping, const T* __restrict__ q_weight,
@@ -160,14 +160,12 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
   const int token = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int heads = num_q_heads + num_kv_heads;
-  // Warps past the last head (the last group of a head count that does not
-  // divide evenly) load head 0 with the others, join the block's sum of the
-  // residual, and leave before storing anything.
-  const int warp_head = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
-  const bool active = warp_head < heads;
-  const int head = active ? warp_head : 0;
-  const bool is_q = head < num_q_heads;
-  const T* w = is_q ? q_weight : k_weight;
+  // A warp takes HPW heads, its loads of all of them issued before it uses
+  // any: with HPW = 2 a token takes half the warps, and more tokens fit on an
+  // SM at once (what a prefill of thousands needs). Heads past the
+  // last one (a head count that the warps do not divide evenly) load head 0
+  // with the others, join the block's sum of the residual, and store nothing.
+  const int first_head = (blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32) * HPW;
   const int i0 = lane * E;  // this lane's first pair
   // Before the wait (pdl.cuh): the norm weights, which no kernel writes, and
   // the position and slot, copied from the host before the step's first
@@ -175,77 +173,95 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
   // needs the position's value: it is loaded after qkv's, so that a block
   // that starts after the wait, as most do in a long prefill, does not wait
   // for the position before asking for its head.)
-  const TRun w1 = *reinterpret_cast<const TRun*>(w + i0);
-  const TRun w2 = *reinterpret_cast<const TRun*>(w + i0 + HALF);
   const int64_t position = positions[token];
-  // Where this head goes in each cache ([num_blocks * block_size, num_kv_heads,
+  const int64_t slot = CACHE && first_head + HPW > num_q_heads ? slot_mapping[token] : -1;
+  int head[HPW];
+  bool active[HPW], has_v[HPW];
+  TRun w1[HPW], w2[HPW];
+  // Where each head goes in each cache ([num_blocks * block_size, num_kv_heads,
   // D] seen flat), or -1: a q head, a padding token, or no CACHE.
-  int64_t cache_off = -1;
-  if constexpr (CACHE) {
-    const int64_t slot = is_q ? -1 : slot_mapping[token];
-    if (slot >= 0) cache_off = (slot * num_kv_heads + head - num_q_heads) * D;
+  int64_t cache_off[HPW];
+#pragma unroll
+  for (int i = 0; i < HPW; ++i) {
+    active[i] = first_head + i < heads;
+    head[i] = active[i] ? first_head + i : 0;
+    const bool is_q = head[i] < num_q_heads;
+    const T* w = is_q ? q_weight : k_weight;
+    w1[i] = *reinterpret_cast<const TRun*>(w + i0);
+    w2[i] = *reinterpret_cast<const TRun*>(w + i0 + HALF);
+    cache_off[i] = !is_q && slot >= 0 ? (slot * num_kv_heads + head[i] - num_q_heads) * D : -1;
+    // Scaled, the v head of every k head is rewritten; else only copied to the cache.
+    has_v[i] = !is_q && (SCALED || cache_off[i] >= 0);
   }
-  // Scaled, the v head of every k-head warp is rewritten; else only copied to the cache.
-  const bool has_v = !is_q && (SCALED || cache_off >= 0);
   pdl_launch_dependents();  // launched with PDL (pdl.cuh): qkv comes from the kernel before
   pdl_wait();
-  T* x = qkv + token * token_stride + head * D;  // q heads, then k heads, then v heads
-  const TRun x1 = *reinterpret_cast<const TRun*>(x + i0);
-  const TRun x2 = *reinterpret_cast<const TRun*>(x + i0 + HALF);
-  float a[E], b[E];
+  T* const row = qkv + token * token_stride;  // q heads, then k heads, then v heads
+  TRun x1[HPW], x2[HPW];  // kept packed, as loaded, until the residual's sum is done
+  VRun v[HPW];
 #pragma unroll
-  for (int p = 0; p < E; ++p) {
-    a[p] = TypeTraits<T>::to_float(x1.v[p]);
-    b[p] = TypeTraits<T>::to_float(x2.v[p]);
+  for (int i = 0; i < HPW; ++i) {
+    const T* x = row + head[i] * D;
+    x1[i] = *reinterpret_cast<const TRun*>(x + i0);
+    x2[i] = *reinterpret_cast<const TRun*>(x + i0 + HALF);
+    // v head h (num_kv_heads heads past k head h), loaded with k rather than
+    // after it: one trip to memory fewer on the warp's path.
+    if (has_v[i]) v[i] = *reinterpret_cast<const VRun*>(x + num_kv_heads * D + lane * VN);
   }
-  // v head h (num_kv_heads heads past k head h), loaded with k rather than
-  // after it: one trip to memory fewer on the warp's path.
-  T* const xv = x + num_kv_heads * D + lane * VN;
-  VRun v;
-  if (has_v) v = *reinterpret_cast<const VRun*>(xv);
   const float* cs = cos_sin_cache + position * D;  // [cos (D/2) | sin (D/2)]
   const FRun c1 = *reinterpret_cast<const FRun*>(cs + i0);
   const FRun s1 = *reinterpret_cast<const FRun*>(cs + i0 + HALF);
+  float scale = 1.f;
   if constexpr (SCALED) {  // the residual's row is read while the loads above are on their way
     __shared__ float scratch[32];
-    const float scale = row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden, hidden,
-                                       residual_eps, scratch);
+    scale = row_inv_rms<T>(residual + static_cast<int64_t>(token) * hidden, hidden, residual_eps,
+                           scratch);
+  }
+#pragma unroll
+  for (int i = 0; i < HPW; ++i) {
+    if (!active[i]) continue;  // the same in every lane of the warp
+    float a[E], b[E];
 #pragma unroll
     for (int p = 0; p < E; ++p) {
-      a[p] = round_to<T>(a[p] * scale);
-      b[p] = round_to<T>(b[p] * scale);
-    }
-    if (has_v) {
-#pragma unroll
-      for (int j = 0; j < VN; ++j) {
-        v.v[j] = TypeTraits<T>::from_float(TypeTraits<T>::to_float(v.v[j]) * scale);
+      a[p] = TypeTraits<T>::to_float(x1[i].v[p]);
+      b[p] = TypeTraits<T>::to_float(x2[i].v[p]);
+      if constexpr (SCALED) {
+        a[p] = round_to<T>(a[p] * scale);
+        b[p] = round_to<T>(b[p] * scale);
       }
     }
-  }
-  if (!active) return;
-  float sumsq = 0.f;
+    if (SCALED && has_v[i]) {
 #pragma unroll
-  for (int p = 0; p < E; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
-  const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
-  TRun out1, out2;
+      for (int j = 0; j < VN; ++j) {
+        v[i].v[j] = TypeTraits<T>::from_float(TypeTraits<T>::to_float(v[i].v[j]) * scale);
+      }
+    }
+    float sumsq = 0.f;
 #pragma unroll
-  for (int p = 0; p < E; ++p) {
-    const float y1 = round_to<T>(TypeTraits<T>::to_float(w1.v[p]) * round_to<T>(a[p] * inv_rms));
-    const float y2 = round_to<T>(TypeTraits<T>::to_float(w2.v[p]) * round_to<T>(b[p] * inv_rms));
-    const float c = round_to<T>(c1.v[p]), s = round_to<T>(s1.v[p]);
-    out1.v[p] = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
-    out2.v[p] = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
-  }
-  *reinterpret_cast<TRun*>(x + i0) = out1;
-  *reinterpret_cast<TRun*>(x + i0 + HALF) = out2;
-  if (CACHE && cache_off >= 0) {
-    *reinterpret_cast<TRun*>(k_cache + cache_off + i0) = out1;
-    *reinterpret_cast<TRun*>(k_cache + cache_off + i0 + HALF) = out2;
-  }
-  if (has_v) {
-    if constexpr (SCALED) *reinterpret_cast<VRun*>(xv) = v;
-    if (CACHE && cache_off >= 0) {
-      *reinterpret_cast<VRun*>(v_cache + cache_off + lane * VN) = v;
+    for (int p = 0; p < E; ++p) sumsq += a[p] * a[p] + b[p] * b[p];
+    const float inv_rms = rsqrtf(warp_sum(sumsq) / D + eps);
+    TRun out1, out2;
+#pragma unroll
+    for (int p = 0; p < E; ++p) {
+      const float y1 =
+          round_to<T>(TypeTraits<T>::to_float(w1[i].v[p]) * round_to<T>(a[p] * inv_rms));
+      const float y2 =
+          round_to<T>(TypeTraits<T>::to_float(w2[i].v[p]) * round_to<T>(b[p] * inv_rms));
+      const float c = round_to<T>(c1.v[p]), s = round_to<T>(s1.v[p]);
+      out1.v[p] = TypeTraits<T>::from_float(round_to<T>(y1 * c) - round_to<T>(y2 * s));
+      out2.v[p] = TypeTraits<T>::from_float(round_to<T>(y2 * c) + round_to<T>(y1 * s));
+    }
+    T* const x = row + head[i] * D;
+    *reinterpret_cast<TRun*>(x + i0) = out1;
+    *reinterpret_cast<TRun*>(x + i0 + HALF) = out2;
+    if (CACHE && cache_off[i] >= 0) {
+      *reinterpret_cast<TRun*>(k_cache + cache_off[i] + i0) = out1;
+      *reinterpret_cast<TRun*>(k_cache + cache_off[i] + i0 + HALF) = out2;
+    }
+    if (has_v[i]) {
+      if constexpr (SCALED) *reinterpret_cast<VRun*>(x + num_kv_heads * D + lane * VN) = v[i];
+      if (CACHE && cache_off[i] >= 0) {
+        *reinterpret_cast<VRun*>(v_cache + cache_off[i] + lane * VN) = v[i];
+      }
     }
   }
 }
@@ -255,7 +271,10 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
 // y = round(round(silu(gate)) * up), 8 elements (16 bytes) per thread, one
 // block per row (a row wider than the block is taken in several rounds). With
 // SCALED (folded norms), gate and up first become round(x * s), s the row's
-// 1 / rms of `residual`.
+// 1 / rms of `residual`. Gate and up stay packed, as loaded, until the sum of
+// the residual's row is done: the loads of all three are in flight together,
+// and a thread holds fewer registers while it waits, so more rows fit on an
+// SM at once (what a prefill of thousands of rows needs).
 template <typename T, bool SCALED>
 __global__ void __launch_bounds__(1024) silu_and_mul_kernel(T* __restrict__ out,
                                                            const T* __restrict__ x, int d,
@@ -266,16 +285,19 @@ __global__ void __launch_bounds__(1024) silu_and_mul_kernel(T* __restrict__ out,
   pdl_wait();
   float scale = 1.f;
   for (int c = threadIdx.x * 8, first = 1; c < d || first; c += blockDim.x * 8, first = 0) {
-    float g[8], u[8], y[8];
+    uint4 gate, up;
     if (c < d) {
-      unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + c), g);
-      unpack8<T>(*reinterpret_cast<const uint4*>(x + row * 2 * d + d + c), u);
+      gate = *reinterpret_cast<const uint4*>(x + row * 2 * d + c);
+      up = *reinterpret_cast<const uint4*>(x + row * 2 * d + d + c);
     }
     if (SCALED && first) {  // the residual's row is read while gate and up are on their way
       __shared__ float scratch[32];
       scale = row_inv_rms<T>(residual + row * hidden, hidden, residual_eps, scratch);
     }
     if (c >= d) continue;
+    float g[8], u[8], y[8];
+    unpack8<T>(gate, g);
+    unpack8<T>(up, u);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if constexpr (SCALED) {
@@ -317,24 +339,41 @@ void launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
 #undef MINI_VLLM_RMS_LAUNCH
 }
 
-template <typename T, int D>
-void launch_qk_norm_rope_d(const QkNormRopeParams& p, cudaStream_t stream) {
-  // A warp per head: all the heads of a token in one block (Qwen3-0.6B: 24
-  // warps), in groups of at most 32 warps past that.
+template <typename T, int D, int HPW>
+void launch_qk_norm_rope_h(const QkNormRopeParams& p, cudaStream_t stream) {
+  // HPW heads a warp: all the heads of a token in one block (Qwen3-0.6B: 24
+  // warps at HPW = 1, 12 at HPW = 2), in groups of at most 32 warps past that.
   const int heads = p.num_q_heads + p.num_kv_heads;
-  const int groups = (heads + 31) / 32, warps = (heads + groups - 1) / groups;
+  const int token_warps = (heads + HPW - 1) / HPW;
+  const int groups = (token_warps + 31) / 32, warps = (token_warps + groups - 1) / groups;
   const dim3 grid(static_cast<unsigned>(p.num_tokens), groups);
   const bool cache = p.slot_mapping != nullptr, scaled = p.residual != nullptr;
-  const auto kernel = cache ? (scaled ? qk_norm_rope_kernel<T, D, true, true>
-                                      : qk_norm_rope_kernel<T, D, true, false>)
-                            : (scaled ? qk_norm_rope_kernel<T, D, false, true>
-                                      : qk_norm_rope_kernel<T, D, false, false>);
+  const auto kernel = cache ? (scaled ? qk_norm_rope_kernel<T, D, true, true, HPW>
+                                      : qk_norm_rope_kernel<T, D, true, false, HPW>)
+                            : (scaled ? qk_norm_rope_kernel<T, D, false, true, HPW>
+                                      : qk_norm_rope_kernel<T, D, false, false, HPW>);
   launch_kernel(kernel, grid, dim3(32 * warps), 0, stream, "qk_norm_rope",
                 static_cast<T*>(p.qkv), static_cast<T*>(p.k_cache),
                 static_cast<T*>(p.v_cache), p.slot_mapping,
                 static_cast<const T*>(p.q_weight), static_cast<const T*>(p.k_weight),
                 p.cos_sin_cache, p.positions, static_cast<const T*>(p.residual), p.hidden,
                 p.residual_eps, p.num_q_heads, p.num_kv_heads, p.token_stride, p.eps);
+}
+
+template <typename T, int D>
+void launch_qk_norm_rope_d(const QkNormRopeParams& p, cudaStream_t stream) {
+  // Two heads a warp from kQkNormWideTokens tokens (a prefill chunk), else one:
+  // at a decode step's few tokens the wider warps only lengthen each token, and
+  // four heads a warp were no faster than two at any size measured
+  // (kernels.py --tables fused).
+  const int hpw = p.heads_per_warp ? p.heads_per_warp
+                                   : (p.num_tokens >= kQkNormWideTokens ? 2 : 1);
+  switch (hpw) {
+    case 1: return launch_qk_norm_rope_h<T, D, 1>(p, stream);
+    case 2: return launch_qk_norm_rope_h<T, D, 2>(p, stream);
+    case 4: return launch_qk_norm_rope_h<T, D, 4>(p, stream);
+    default: throw std::invalid_argument("qk_norm_rope: heads_per_warp must be 0, 1, 2 or 4");
+  }
 }
 
 template <typename T>

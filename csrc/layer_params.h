@@ -62,7 +62,11 @@ struct QkNormRopeParams {
   int64_t token_stride = 0;
   float eps = 1e-6f;
   DType dtype = DType::kBFloat16;
+  // Heads per warp: 1, 2 or 4; 0: the kernel's choice (2 from
+  // kQkNormWideTokens tokens, else 1).
+  int heads_per_warp = 0;
 };
+constexpr int kQkNormWideTokens = 1024;
 
 // out = silu(x[:, :d]) * x[:, d:]
 //   x         [num_tokens, 2 * d] contiguous

@@ -131,7 +131,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
                  num_kv_heads: int, head_dim: int, eps: float, *,
                  kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
                  slot_mapping: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None, residual_eps: float = 1e-6) -> None:
+                 residual: torch.Tensor | None = None, residual_eps: float = 1e-6,
+                 heads_per_warp: int = 0) -> None:
     """The CUDA kernel of `qk_norm_rope_ref`, in place on the q and k parts of `qkv`.
 
     With `kv_cache` and `slot_mapping`, the same launch also stores each
@@ -154,10 +155,15 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
             not stored); given exactly when `kv_cache` is.
         residual: [T, hidden] contiguous, qkv's dtype, hidden a multiple of 8; or None.
         residual_eps: the folded norm's epsilon.
+        heads_per_warp: heads each warp of the kernel takes, 1, 2 or 4; 0 lets
+            the kernel choose (2 for a prefill chunk of 1,024 tokens or more, else
+            1). For tests and tuning: the output is the same.
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device.
     """
+    if heads_per_warp not in (0, 1, 2, 4):
+        raise ValueError(f"heads_per_warp must be 0, 1, 2 or 4, got {heads_per_warp}")
     check_tensor("qkv", qkv, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
     check_tensor("q_weight", q_weight, ndim=1, dtypes=(qkv.dtype,))
     check_tensor("k_weight", k_weight, ndim=1, dtypes=(qkv.dtype,))
@@ -204,7 +210,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     extension().qk_norm_rope(
         qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), cos_sin_cache.data_ptr(),
         positions.data_ptr(), num_tokens, num_q_heads, num_kv_heads, head_dim,
-        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device), *cache_ptrs, *scale)
+        qkv.stride(0), eps, dtype_code(qkv.dtype), _stream(device), *cache_ptrs, *scale,
+        heads_per_warp)
 
 
 def silu_and_mul(x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -56,6 +56,12 @@ def test_wrappers_reject_bad_arguments():
                            torch.ones(64, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="dtype"):
         layer_ops.silu_and_mul(torch.randn(4, 64))  # float32 is the reference's job
+    with pytest.raises(ValueError, match="heads_per_warp"):
+        layer_ops.qk_norm_rope(torch.randn(2, 4 * 128, dtype=torch.bfloat16),
+                               torch.ones(128, dtype=torch.bfloat16),
+                               torch.ones(128, dtype=torch.bfloat16), torch.randn(8, 128),
+                               torch.zeros(2, dtype=torch.int64), 2, 1, 128, 1e-6,
+                               heads_per_warp=3)
     with pytest.raises(ValueError, match="head_dim"):
         layer_ops.qk_norm_rope(torch.randn(2, 4 * 32, dtype=torch.bfloat16),
                                torch.ones(32, dtype=torch.bfloat16),
@@ -226,7 +232,8 @@ def test_rms_norm_reads_strided_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hq, hkv, d", [(1, 16, 8, 128), (300, 16, 8, 128),
                                                     (17, 32, 8, 128), (9, 8, 2, 64)])
-def test_qk_norm_rope_matches_reference(dtype, num_tokens, hq, hkv, d):
+@pytest.mark.parametrize("heads_per_warp", [0, 4])
+def test_qk_norm_rope_matches_reference(dtype, num_tokens, hq, hkv, d, heads_per_warp):
     dev = "cuda"
     rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
     positions = torch.randint(0, 4096, (num_tokens,), device=dev)
@@ -238,7 +245,8 @@ def test_qk_norm_rope_matches_reference(dtype, num_tokens, hq, hkv, d):
         q.reshape(num_tokens, hq, d), k.reshape(num_tokens, hkv, d), qw, kw,
         rope.cos_sin_cache, positions, 1e-6)
     v_before = v.clone()
-    layer_ops.qk_norm_rope(qkv, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6)
+    layer_ops.qk_norm_rope(qkv, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
+                           heads_per_warp=heads_per_warp)
     _close(q.reshape(num_tokens, hq, d), ref_q)
     _close(k.reshape(num_tokens, hkv, d), ref_k)
     assert torch.equal(v, v_before)  # v is not touched
@@ -777,13 +785,18 @@ def test_scaled_wrappers_reject_a_bad_residual():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hq, hkv, d, hidden", [
     (1, 16, 8, 128, 1024), (300, 16, 8, 128, 1024), (17, 32, 8, 128, 4096), (9, 8, 2, 64, 136),
-    (5, 40, 8, 128, 5120)])
+    (5, 40, 8, 128, 5120), (1100, 16, 8, 128, 1024)])
 @pytest.mark.parametrize("with_cache", [False, True])
+@pytest.mark.parametrize("heads_per_warp", [0, 1, 2, 4])
 def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hidden,
-                                               with_cache):
+                                               with_cache, heads_per_warp):
     """`residual=`: q, k and v scaled by each token's 1 / rms(residual) first (v in
     qkv and in the cache), then q/k-norm + RoPE: against scale_rows_ref + the
-    reference; the cache slots of padding tokens and of nobody keep their poison."""
+    reference; the cache slots of padding tokens and of nobody keep their poison.
+    Every split of a token's heads among warps (0: the kernel's choice, which
+    takes two heads a warp at 1,100 tokens), the last warp's share partly past
+    the last head where the warps do not divide the heads (10 heads of 64 at four
+    a warp)."""
     dev, block = "cuda", 16
     gen = torch.Generator(device="cpu").manual_seed(num_tokens)
     rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
@@ -808,7 +821,8 @@ def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hi
         cache_args = {"kv_cache": caches, "slot_mapping": slots}
     out = qkv.clone()
     layer_ops.qk_norm_rope(out, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
-                           residual=residual, residual_eps=1e-6, **cache_args)
+                           residual=residual, residual_eps=1e-6, heads_per_warp=heads_per_warp,
+                           **cache_args)
     out_q, out_k, out_v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
     _close(out_q.reshape(-1, hq, d), ref_q)
     _close(out_k.reshape(-1, hkv, d), ref_k)
@@ -829,7 +843,8 @@ def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hi
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, d, hidden", [(1, 3072, 1024), (255, 3072, 1024),
-                                                   (8, 1024 + 8, 72), (3, 12288, 4096)])
+                                                   (8, 1024 + 8, 72), (3, 12288, 4096),
+                                                   (1100, 3072, 1024)])
 def test_silu_and_mul_scaled_matches_reference(dtype, num_tokens, d, hidden):
     x = torch.randn(num_tokens, 2 * d, device="cuda", dtype=dtype) * 4
     residual = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype) * 3
@@ -869,8 +884,9 @@ def test_folding_the_norms_costs_no_accuracy(tiny_model_dir, prompt_len):
 @needs_kernels
 @pytest.mark.gpu
 def test_the_fused_benchmark_times_both_kernels():
-    """`benchmarks/kernels.py --tables fused` runs both kernels as the model calls them and
-    reports each call's bytes over its time, a plausible share of the copy bandwidth."""
+    """`benchmarks/kernels.py --tables fused` runs both kernels as the model calls them (and
+    q/k-norm + RoPE at each forced number of heads per warp), and reports each call's
+    bytes over its time, a plausible share of the copy bandwidth."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -885,6 +901,7 @@ def test_the_fused_benchmark_times_both_kernels():
     rows = bench.bench_fused(copy_bw, device, tokens=(1, 300))
     assert [r["tokens"] for r in rows] == [1, 300]
     for r in rows:
-        assert set(r["paths"]) == {"qk_norm_rope", "silu_and_mul"}
+        assert set(r["paths"]) == {"qk_norm_rope", "qk_norm_rope_h1", "qk_norm_rope_h2",
+                                   "qk_norm_rope_h4", "silu_and_mul"}
         for p in r["paths"].values():
             assert p["us"] > 0 and 0 < p["frac_copy"] < 2, p
