@@ -286,7 +286,7 @@ def test_capture_is_safe_from_garbage_that_owns_cuda_graphs(tiny_model_dir: Path
     """A CUDA graph held only by a reference cycle (an earlier runner's, say) is freed
     by the cyclic collector, which runs at any allocation past its threshold. Were it
     to run inside a capture, the freed graph would break that capture: the runners
-    capture with the collector held off, after one collection."""
+    capture with the collector held off."""
     runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
     graphs = runner.graph_runner
     held = []  # graphs with memory of their own pools, soon held only by a cycle
@@ -314,6 +314,7 @@ def test_capture_is_safe_from_garbage_that_owns_cuda_graphs(tiny_model_dir: Path
     finally:
         graphs.forward = forward
         gc.set_threshold(*threshold)
+        gc.collect()  # the garbage goes here, outside any capture
     assert not held and gc.isenabled()  # the garbage was made inside the capture
     # The graphs captured under that pressure still compute what the eager forward does.
     seqs, tables = _prefilled(runner, 5)
