@@ -157,13 +157,15 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
         residual_eps: the folded norm's epsilon.
         heads_per_warp: heads each warp of the kernel takes, 1, 2 or 4; 0 lets
             the kernel choose (2 for a prefill chunk of 1,024 tokens or more, else
-            1). For tests and tuning: the output is the same.
+            1). For tests and tuning: the output is the same, up to the order of
+            the float32 sum of `residual`'s row where it has more than 8
+            elements per thread of the block.
 
     Raises:
-        ValueError: on a wrong dtype, shape, layout or device.
+        ValueError: on a wrong dtype, shape, layout or device, or a bad `heads_per_warp`.
     """
-    if heads_per_warp not in (0, 1, 2, 4):
-        raise ValueError(f"heads_per_warp must be 0, 1, 2 or 4, got {heads_per_warp}")
+    if type(heads_per_warp) is not int or heads_per_warp not in (0, 1, 2, 4):
+        raise ValueError(f"heads_per_warp must be 0, 1, 2 or 4, got {heads_per_warp!r}")
     check_tensor("qkv", qkv, ndim=2, dtypes=LAYER_DTYPES, contiguous=False)
     check_tensor("q_weight", q_weight, ndim=1, dtypes=(qkv.dtype,))
     check_tensor("k_weight", k_weight, ndim=1, dtypes=(qkv.dtype,))

@@ -3,6 +3,8 @@ and q/k-norm + RoPE with the KV-cache write fused in against the two-kernel path
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -231,9 +233,14 @@ def test_rms_norm_reads_strided_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hq, hkv, d", [(1, 16, 8, 128), (300, 16, 8, 128),
-                                                    (17, 32, 8, 128), (9, 8, 2, 64)])
-@pytest.mark.parametrize("heads_per_warp", [0, 4])
+                                                    (17, 32, 8, 128), (9, 8, 2, 64),
+                                                    (5, 14, 2, 64), (6, 7, 1, 128),
+                                                    (3, 30, 3, 64)])
+@pytest.mark.parametrize("heads_per_warp", [0, 1, 2, 4])
 def test_qk_norm_rope_matches_reference(dtype, num_tokens, hq, hkv, d, heads_per_warp):
+    """Every number of heads a warp; warps that hold q and k heads together (14 + 2
+    at four a warp, 7 + 1 at two), and at one head a warp a second group of warps
+    past 32 heads whose last warp has no head at all (30 + 3)."""
     dev = "cuda"
     rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
     positions = torch.randint(0, 4096, (num_tokens,), device=dev)
@@ -304,7 +311,7 @@ def test_model_with_kernels_matches_model_without(tiny_model_dir):
 # --- q/k-norm + RoPE with the KV-cache write fused in ------------------------------------
 
 def _fused_vs_two_kernels(dtype: torch.dtype, num_tokens: int, hq: int, hkv: int, d: int,
-                          block_size: int, seed: int = 0) -> None:
+                          block_size: int, seed: int = 0, heads_per_warp: int = 0) -> None:
     """The fused launch against qk_norm_rope then reshape_and_cache on the same inputs:
     the same q and k in qkv, the same caches, bit for bit. Slots are scattered over
     the cache, about one token in eight is padding (-1); the caches start out random
@@ -330,7 +337,8 @@ def _fused_vs_two_kernels(dtype: torch.dtype, num_tokens: int, hq: int, hkv: int
 
     qkv_one, k_one, v_one = qkv.clone(), poison[0].clone(), poison[1].clone()
     layer_ops.qk_norm_rope(qkv_one, qw, kw, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6,
-                           kv_cache=(k_one, v_one), slot_mapping=slots)
+                           kv_cache=(k_one, v_one), slot_mapping=slots,
+                           heads_per_warp=heads_per_warp)
     torch.cuda.synchronize()
     assert torch.equal(qkv_one, qkv_two)
     assert torch.equal(k_one, k_two)
@@ -346,10 +354,36 @@ def _fused_vs_two_kernels(dtype: torch.dtype, num_tokens: int, hq: int, hkv: int
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
-@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (8, 2, 64)])
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (32, 8, 128), (8, 2, 64), (14, 2, 64)])
+@pytest.mark.parametrize("heads_per_warp", [0, 2, 4])
 def test_qk_norm_rope_writes_the_cache_like_reshape_and_cache(dtype, block_size, num_tokens,
-                                                              hq, hkv, d):
-    _fused_vs_two_kernels(dtype, num_tokens, hq, hkv, d, block_size, seed=num_tokens)
+                                                              hq, hkv, d, heads_per_warp):
+    _fused_vs_two_kernels(dtype, num_tokens, hq, hkv, d, block_size, seed=num_tokens,
+                          heads_per_warp=heads_per_warp)
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, heads_per_warp", [(1023, 1), (1024, 2)])
+def test_qk_norm_rope_takes_two_heads_a_warp_from_a_prefill_chunk(num_tokens, heads_per_warp):
+    """The kernel's own choice: one head a warp below 1,024 tokens, two from there on
+    (the last template argument of the kernel that runs, as the profiler names it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev, hq, hkv, d = "cuda", 16, 8, 128
+    rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
+    w = torch.ones(d, device=dev, dtype=torch.bfloat16)
+    positions = torch.randint(0, 4096, (num_tokens,), device=dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer_ops.qk_norm_rope(qkv, w, w, rope.cos_sin_cache, positions, hq, hkv, d, 1e-6)
+        torch.cuda.synchronize()
+    # e.g. "void mini_vllm::(anonymous namespace)::qk_norm_rope_kernel<__nv_bfloat16, 128,
+    # false, false, 2>(...)": the template arguments, HPW last.
+    args = {m.group(1) for e in prof.events()
+            if (m := re.search(r"qk_norm_rope_kernel<([^>]*)>", e.name))}
+    assert len(args) == 1, args
+    assert args.pop().split(",")[-1].strip() == str(heads_per_warp)
 
 
 @needs_kernels
@@ -785,7 +819,7 @@ def test_scaled_wrappers_reject_a_bad_residual():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, hq, hkv, d, hidden", [
     (1, 16, 8, 128, 1024), (300, 16, 8, 128, 1024), (17, 32, 8, 128, 4096), (9, 8, 2, 64, 136),
-    (5, 40, 8, 128, 5120), (1100, 16, 8, 128, 1024)])
+    (5, 40, 8, 128, 5120), (1100, 16, 8, 128, 1024), (4, 14, 2, 64, 128)])
 @pytest.mark.parametrize("with_cache", [False, True])
 @pytest.mark.parametrize("heads_per_warp", [0, 1, 2, 4])
 def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hidden,
@@ -796,7 +830,7 @@ def test_qk_norm_rope_scaled_matches_reference(dtype, num_tokens, hq, hkv, d, hi
     Every split of a token's heads among warps (0: the kernel's choice, which
     takes two heads a warp at 1,100 tokens), the last warp's share partly past
     the last head where the warps do not divide the heads (10 heads of 64 at four
-    a warp)."""
+    a warp), q and k heads in one warp (14 + 2 at four a warp)."""
     dev, block = "cuda", 16
     gen = torch.Generator(device="cpu").manual_seed(num_tokens)
     rope = RotaryEmbedding(d, 4096, 1e6, device=dev)
