@@ -696,7 +696,9 @@ def bench_fused(copy_bw: float, device: torch.device,
     table and the norm weights are not counted); SiLU · mul reads gate, up and
     the residual row and writes the product. Inputs rotate through enough
     copies to defeat the L2, as in the other tables (in a decode step they come
-    straight from the product before, mostly from the L2).
+    straight from the product before, mostly from the L2). Paths: each kernel
+    as the model calls it, and q/k-norm + RoPE at one, two and four heads a warp
+    (`qk_norm_rope_h1`, `_h2`, `_h4`).
     """
     from mini_vllm.models.qwen3 import RotaryEmbedding
     from mini_vllm.ops import layer_ops

@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(NT) rms_norm_kernel(T* __restrict__ out,
 // --8<-- [end:rms_norm]
 
 // --8<-- [start:qk_norm_rope]
-// One warp per (token, head) of q and k, in place in the fused qkv output; a
-// block holds the heads of one token, or a group of them past 32 heads
-// (blockIdx.x the token, blockIdx.y the group). Lane l owns E = D/64
+// A warp per HPW heads of one token's q and k, in place in the fused qkv
+// output; a block holds the warps of one token, or a group of them past 32
+// warps (blockIdx.x the token, blockIdx.y the group). Lane l owns E = D/64
 // neighbouring rotary pairs, (i, i + D/2) for i in [l*E, l*E + E): both
 // halves of a pair meet in one thread, so the rotation needs no shuffle, and
 // each half is one load of E elements (4 bytes at D = 128), not E loads.
@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(1024) qk_norm_rope_kernel(
 // SCALED (folded norms), gate and up first become round(x * s), s the row's
 // 1 / rms of `residual`. Gate and up stay packed, as loaded, until the sum of
 // the residual's row is done: the loads of all three are in flight together,
-// and a thread holds fewer registers while it waits, so more rows fit on an
-// SM at once (what a prefill of thousands of rows needs).
+// and (in bf16) a thread holds fewer registers while it waits, so more rows
+// fit on an SM at once (what a prefill of thousands of rows needs).
 template <typename T, bool SCALED>
 __global__ void __launch_bounds__(1024) silu_and_mul_kernel(T* __restrict__ out,
                                                            const T* __restrict__ x, int d,
