@@ -37,7 +37,9 @@ tensor-core kernel, as the wrapper picks it and at fixed warps / stages, against
 version 5 and SDPA on contiguous K/V, at the shapes of the bar and at
 Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
-shapes), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
+shapes), ``v7blocks`` (version 7 as the wrapper picks it against SDPA on
+contiguous K/V at the bar's shapes, with blocks of 16 to 128 tokens handed out
+in random order), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
 grid, against version 7 and SDPA on contiguous K/V), ``v9`` (version 9, version
 7's tiles copied by the TMA, against version 7 and SDPA on contiguous K/V, at
 the v7 table's shapes), ``mixed`` (version 7 on
@@ -651,6 +653,8 @@ def pipeline_shapes() -> list[tuple[int, int, int, int, int]]:
 # (warps, stages) of version 7 in the v7 table, beside `ours_v7` (what the
 # wrapper picks: the first, or the fourth for a grid of many waves).
 V7_DEPTHS = ((2, 3), (2, 2), (2, 4), (4, 2), (4, 3), (1, 4))
+# Block sizes of the v7blocks table.
+V7_BLOCK_SIZES = (16, 32, 64, 128)
 # Partition sizes of the v7parts table.
 V7_PARTITIONS = (256, 512, 1024, 2048, 4096)
 
@@ -796,6 +800,16 @@ def run(args: argparse.Namespace) -> dict:
         result["v7parts"] = bench_decode(pipeline_shapes()[:12], [*variants, "sdpa_contig"],
                                          copy_bw, device, check=False, variants=variants)
         result["v7parts_bar"] = v7_bar_report(result["v7parts"])
+        save()
+    if "v7blocks" in tables:
+        print("v7blocks: version 7 at each block size vs SDPA, contiguous (the bar's shapes)")
+        shapes = [(b, c, bs, 16, 8) for bs in V7_BLOCK_SIZES for b, c, *_ in
+                  pipeline_shapes()[:12]]
+        result["v7blocks"] = bench_decode(shapes, ["ours_v7", "sdpa_contig"], copy_bw, device,
+                                          variants={"ours_v7": {"version": 7}})
+        result["v7blocks_bar"] = {
+            str(bs): v7_bar_report([r for r in result["v7blocks"] if r["block_size"] == bs])
+            for bs in V7_BLOCK_SIZES}
         save()
     if "mixed" in tables:
         print("mixed: version 7 on batches of mixed context lengths, drawn order and "
@@ -1035,6 +1049,22 @@ def report(path: Path) -> None:
         print()
         if d.get("v7_bar"):
             print("**v7 bar**:", json.dumps(d["v7_bar"]), "\n")
+    if d.get("v7blocks"):
+        sizes = sorted({r["block_size"] for r in d["v7blocks"]})
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in d["v7blocks"]))
+        by = {(r["batch"], r["context"], r["block_size"]): r["paths"] for r in d["v7blocks"]}
+        print("**v7blocks** (16/8 heads, blocks in random order; each cell: v7 / SDPA on "
+              "contiguous K/V, µs per call, and their ratio)\n")
+        print("| batch × context | " + " | ".join(f"block {bs}" for bs in sizes) + " |")
+        print("|---|" + "---|" * len(sizes))
+        for b, c in shapes:
+            cells = []
+            for bs in sizes:
+                p = by.get((b, c, bs), {})
+                v7, sdpa = p.get("ours_v7", {}).get("us"), p.get("sdpa_contig", {}).get("us")
+                cells.append(f"{v7:.1f} / {sdpa:.1f} ({v7 / sdpa:.3f})" if v7 and sdpa else "-")
+            print(f"| {b} × {c} | " + " | ".join(cells) + " |")
+        print()
     for new in ("v8", "v9"):
         if d.get(new):
             print_versus(d[new], f"ours_{new}", "ours_v7", new)

@@ -24,6 +24,8 @@ at the end, side by side (`profile_postprocess`); it needs no GPU:
 
     python benchmarks/step_profile.py --postprocess --preset tiny --context 16 --steps 100
 
+The KV cache has `--block-size` tokens per block (default: the engine's, 16).
+
 Results: a table on stdout and JSON in `--output`.
 """
 
@@ -132,7 +134,7 @@ def kernel_breakdown(fn: Any, steps: int) -> tuple[dict[str, float], list[dict[s
 def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
                    bandwidth: float) -> dict[str, Any]:
     """The runner-level view (see the module docstring)."""
-    steps, batch, context, bs = ns.steps, ns.batch, ns.context, 16
+    steps, batch, context, bs = ns.steps, ns.batch, ns.context, ns.block_size
     blocks_per_seq = -(-(context + steps + 1) // bs)
     runner = ModelRunner(EngineArgs(
         model=str(model_dir), device="cuda", dtype="bfloat16", load_format=load_format,
@@ -151,7 +153,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     params = SamplingParams(temperature=0.6, top_p=1.0, top_k=0, ignore_eos=True)
     rows = [(params, None, [], [])] * batch
     sampler = Sampler()
-    result: dict[str, Any] = {"batch": batch, "context": context,
+    result: dict[str, Any] = {"batch": batch, "context": context, "block_size": bs,
                               "attention": runner.attn_backend.describe()}
     for _ in range(3):  # warm-up
         sampler(runner.execute(entries(0), float_logits=False), SamplingMetadata.build(
@@ -373,11 +375,11 @@ def profile_postprocess(model_dir: Path, load_format: str, ns: argparse.Namespac
     and has its text decoded, included. Both engines must return the same texts.
     """
     engines = {}
-    blocks_per_seq = -(-(ns.context + ns.steps + 1) // 16)
+    blocks_per_seq = -(-(ns.context + ns.steps + 1) // ns.block_size)
     for name, cls in (("per_token", _PerTokenEngine), ("at_end", LLMEngine)):
         engine = cls(EngineArgs(
-            model=str(model_dir), device=device, load_format=load_format, block_size=16,
-            max_num_seqs=ns.batch, max_model_len=ns.max_model_len, async_scheduling=False,
+            model=str(model_dir), device=device, load_format=load_format,
+            block_size=ns.block_size, max_num_seqs=ns.batch, max_model_len=ns.max_model_len, async_scheduling=False,
             num_gpu_blocks_override=ns.batch * blocks_per_seq + 1,  # room for both engines
         ).create_engine_config())
         rng = random.Random(0)
@@ -455,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size,
+                   help="tokens per KV-cache block (default: the engine's)")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                    help="also profile LLMEngine.step()")
     p.add_argument("--postprocess", action="store_true",

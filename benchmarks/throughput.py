@@ -122,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--max-model-len", type=int, default=4096)
+    eng.add_argument("--block-size", type=int, default=None,
+                     help="tokens per KV-cache block (default: the engine's)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    eng.add_argument("--max-piecewise-graph-tokens", type=int, default=None,
+                     help="mini-vllm: steps with prompts of up to this many tokens replay "
+                          "piecewise CUDA graphs (default: the engine's)")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=None, help="default: the engine's")
@@ -140,9 +145,10 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """mini-vllm's engine arguments from the flags (None = the engine's default)."""
     kwargs = {"device": ns.device, "dtype": ns.dtype, "max_num_seqs": ns.max_num_seqs,
               "max_num_batched_tokens": ns.max_num_batched_tokens,
-              "max_model_len": ns.max_model_len,
+              "max_model_len": ns.max_model_len, "block_size": ns.block_size,
               "gpu_memory_utilization": ns.gpu_memory_utilization,
               "enforce_eager": ns.enforce_eager,
+              "max_piecewise_graph_tokens": ns.max_piecewise_graph_tokens,
               "num_gpu_blocks_override": ns.num_gpu_blocks_override,
               "enable_prefix_caching": ns.enable_prefix_caching,
               "load_format": ns.load_format, "seed": ns.seed}
@@ -179,6 +185,7 @@ def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) ->
               "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
               "engine_stats": stats,
               "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
+              "block_size": llm.engine.config.cache_config.block_size,
               "device": str(llm.engine.config.device)}
     if ns.breakdown and llm.engine.config.device.type == "cuda":
         result["breakdown"] = breakdown(llm, lambda: llm.generate(prompts, sampling,
@@ -317,6 +324,8 @@ def run_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) -> dict
         kwargs["max_num_batched_tokens"] = ns.max_num_batched_tokens
     if ns.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = ns.enable_prefix_caching
+    if ns.block_size:
+        kwargs["block_size"] = ns.block_size
     llm = vllm.LLM(**kwargs)
 
     def params(m: int) -> Any:

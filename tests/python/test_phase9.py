@@ -142,12 +142,13 @@ def test_throughput_smoke_run_writes_json(tiny_model_dir: Path, tmp_path: Path) 
         "--model", str(tiny_model_dir), "--num-requests", "4", "--input-len-range", "8", "24",
         "--max-tokens-range", "3", "6", "--backends", "mini-vllm", "--device", "cpu",
         "--copy-bytes", str(32 * 2**20), "--num-gpu-blocks-override", "64",
-        "--output", str(out)])
+        "--block-size", "32", "--output", str(out)])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "throughput"
     assert data["workload"]["standard"] is False
     result = data["results"]["mini-vllm"]
     assert result["status"] == "ok", result
+    assert result["block_size"] == 32  # the flag reached the engine
     assert result["output_tokens"] == data["workload"]["output_tokens"] == report[
         "workload"]["output_tokens"]
     assert result["output_tok_s"] == pytest.approx(result["output_tokens"] / result["wall_s"])
