@@ -545,6 +545,51 @@ def test_reused_sampling_metadata_draws_the_same_tokens(tiny_model_dir: Path,
     assert len({tuple(t) for t in reused}) == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")
+def test_blocks_of_64_give_the_tokens_of_blocks_of_16(tiny_model_dir: Path) -> None:
+    """The block size changes the bookkeeping, not the tokens.
+
+    Prompts of 1 to 3 blocks of 64, one that ends exactly on a block edge, and a
+    second wave that continues the first wave's prompts from the prefix cache
+    (hits of whole blocks: 64 tokens at a time here, 16 in the reference),
+    through the decode graphs and the piecewise graphs, in bf16 with the kernels.
+    """
+    from mini_vllm.llm import LLM
+
+    vocab = 1000
+    first = random_prompts([5, 64, 70, 150, 200], vocab, seed=7)
+    shared = 100  # tokens the second wave shares with the first: 64 of them are one block
+    second = [p[:shared] + q
+              for p, q in zip(first[2:], random_prompts([3, 20, 9], vocab, seed=8))]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run(**kw: object) -> tuple[int, list[list[int]], int]:
+        llm = LLM(str(tiny_model_dir), device="cuda", dtype="bfloat16", max_model_len=512,
+                  **kw)
+        tokens = []
+        for wave in (first, second):
+            outs = llm.generate([{"prompt_token_ids": p} for p in wave], params,
+                                use_tqdm=False)
+            tokens += [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.get_stats()
+        block_size = llm.engine.config.cache_config.block_size
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return block_size, tokens, stats["prefix_cache_hits"]
+
+    size, tokens, hits = run(block_size=64, num_gpu_blocks_override=64)
+    ref_size, ref_tokens, ref_hits = run(block_size=16, num_gpu_blocks_override=256)
+    assert (size, ref_size) == (64, 16)
+    assert tokens == ref_tokens
+    assert all(len(t) == 40 for t in tokens)
+    # Whole blocks of the shared prefix hit: 64 of 70 and of 100 tokens at 64 a block,
+    # 64 of 70 and 96 of 100 at 16.
+    for bs, found in ((size, hits), (ref_size, ref_hits)):
+        assert found == sum(min(len(p), shared) // bs * bs for p in first[2:])
+
+
 def test_small_batches_get_a_graph_per_context_bound() -> None:
     """Batch 1 is captured per bound of the ladder; a batch that fills the GPU once."""
     from mini_vllm.cuda_graphs import CONTEXT_BOUNDS, context_bounds
