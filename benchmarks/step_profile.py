@@ -379,7 +379,8 @@ def profile_postprocess(model_dir: Path, load_format: str, ns: argparse.Namespac
     for name, cls in (("per_token", _PerTokenEngine), ("at_end", LLMEngine)):
         engine = cls(EngineArgs(
             model=str(model_dir), device=device, load_format=load_format,
-            block_size=ns.block_size, max_num_seqs=ns.batch, max_model_len=ns.max_model_len, async_scheduling=False,
+            block_size=ns.block_size, max_num_seqs=ns.batch, max_model_len=ns.max_model_len,
+            async_scheduling=False,
             num_gpu_blocks_override=ns.batch * blocks_per_seq + 1,  # room for both engines
         ).create_engine_config())
         rng = random.Random(0)
