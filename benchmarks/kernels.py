@@ -39,7 +39,10 @@ Qwen3-8B's 32/8 heads), ``v7parts`` (version 7 at fixed partition sizes,
 two warps / stages each, against SDPA on contiguous K/V at the bar's
 shapes), ``v7blocks`` (version 7 as the wrapper picks it against SDPA on
 contiguous K/V at the bar's shapes, with blocks of 16 to 128 tokens handed out
-in random order), ``v8`` (version 8, version 7's tiles cut evenly over a persistent
+in random order), ``v7layout`` (version 7 over the token-major cache and
+over the same cache stored head-major, one head's rows of a block contiguous,
+against SDPA on contiguous K/V at the bar's shapes, blocks of 16 and 64),
+``v8`` (version 8, version 7's tiles cut evenly over a persistent
 grid, against version 7 and SDPA on contiguous K/V), ``v9`` (version 9, version
 7's tiles copied by the TMA, against version 7 and SDPA on contiguous K/V, at
 the v7 table's shapes), ``mixed`` (version 7 on
@@ -147,7 +150,8 @@ class DecodeCase:
 
     def __init__(self, batch: int, ctx: int, block_size: int, num_q_heads: int,
                  num_kv_heads: int, device: torch.device, contiguous: bool,
-                 gather_index: bool, scattered: bool = True, seed: int = 0) -> None:
+                 gather_index: bool, scattered: bool = True, seed: int = 0,
+                 head_major: bool = False) -> None:
         torch.manual_seed(seed)
         self.batch, self.ctx, self.block_size = batch, ctx, block_size
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
@@ -178,6 +182,12 @@ class DecodeCase:
             for table in self.block_tables:
                 self.slots.append(table[:, pos // block_size].long() * block_size
                                   + pos % block_size)
+        # The same cache stored head-major ([block][head][token][dim]: one
+        # head's rows of a block contiguous), seen as [block, token, head, dim].
+        self.k_head_major = self.v_head_major = None
+        if head_major:
+            self.k_head_major = self.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+            self.v_head_major = self.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
         self.k_contig: list[torch.Tensor] = []
         self.v_contig: list[torch.Tensor] = []
         if contiguous:  # [batch, Hkv, ctx, D], the same values as the paged cache
@@ -209,12 +219,15 @@ class DecodeCase:
 def path_calls(case: DecodeCase, path: str, **kw: object) -> list[Callable[[], object]]:
     """One callable per rotation for a decode path."""
     calls: list[Callable[[], object]] = []
+    # a variant of ours over the head-major copy of the cache
+    k, v = ((case.k_head_major, case.v_head_major) if kw.get("head_major")
+            else (case.k_cache, case.v_cache))
+    kernel_kw = {n: a for n, a in kw.items() if n != "head_major"}
     for r in range(case.rotations):
         q, out, table = case.queries[r], case.outs[r], case.block_tables[r]
         if path.startswith("ours"):  # "ours" or a named variant ("ours_gt4")
             calls.append(lambda q=q, out=out, table=table: ops.paged_decode_attention(
-                q, case.k_cache, case.v_cache, table, case.context_lens, case.scale, case.ctx,
-                out=out, **kw))
+                q, k, v, table, case.context_lens, case.scale, case.ctx, out=out, **kernel_kw))
         elif path == "gather_sdpa":
             def fn(q: torch.Tensor = q, r: int = r) -> torch.Tensor:
                 k, v = case.gather(r)
@@ -266,7 +279,9 @@ def bench_decode(shapes: list[tuple[int, int, int, int, int]], paths: list[str],
         want = [p for p in paths if p != "flex_contig" or flex_spent < flex_budget_s]
         case = DecodeCase(batch, ctx, block_size, hq, hkv, device,
                           contiguous=any(p.endswith("contig") for p in want),
-                          gather_index="gather_sdpa" in want, scattered=scattered)
+                          gather_index="gather_sdpa" in want, scattered=scattered,
+                          head_major=any((variants or {}).get(p, {}).get("head_major")
+                                         for p in want))
         row = {"batch": batch, "context": ctx, "block_size": block_size, "num_q_heads": hq,
                "num_kv_heads": hkv, "bytes": case.bytes_moved, "rotations": case.rotations,
                "paths": {}}
@@ -655,6 +670,8 @@ def pipeline_shapes() -> list[tuple[int, int, int, int, int]]:
 V7_DEPTHS = ((2, 3), (2, 2), (2, 4), (4, 2), (4, 3), (1, 4))
 # Block sizes of the v7blocks table.
 V7_BLOCK_SIZES = (16, 32, 64, 128)
+# Block sizes of the v7layout table.
+V7_LAYOUT_BLOCK_SIZES = (16, 64)
 # Partition sizes of the v7parts table.
 V7_PARTITIONS = (256, 512, 1024, 2048, 4096)
 
@@ -810,6 +827,16 @@ def run(args: argparse.Namespace) -> dict:
         result["v7blocks_bar"] = {
             str(bs): v7_bar_report([r for r in result["v7blocks"] if r["block_size"] == bs])
             for bs in V7_BLOCK_SIZES}
+        save()
+    if "v7layout" in tables:
+        print("v7layout: version 7 over a token-major and a head-major cache vs SDPA, "
+              "contiguous (the bar's shapes)")
+        variants = {"ours_v7": {"version": 7}, "ours_v7_head_major": {"version": 7,
+                                                                      "head_major": True}}
+        shapes = [(b, c, bs, 16, 8) for bs in V7_LAYOUT_BLOCK_SIZES for b, c, *_ in
+                  pipeline_shapes()[:12]]
+        result["v7layout"] = bench_decode(shapes, [*variants, "sdpa_contig"], copy_bw, device,
+                                          variants=variants)
         save()
     if "mixed" in tables:
         print("mixed: version 7 on batches of mixed context lengths, drawn order and "
@@ -1063,6 +1090,24 @@ def report(path: Path) -> None:
                 p = by.get((b, c, bs), {})
                 v7, sdpa = p.get("ours_v7", {}).get("us"), p.get("sdpa_contig", {}).get("us")
                 cells.append(f"{v7:.1f} / {sdpa:.1f} ({v7 / sdpa:.3f})" if v7 and sdpa else "-")
+            print(f"| {b} × {c} | " + " | ".join(cells) + " |")
+        print()
+    if d.get("v7layout"):
+        sizes = sorted({r["block_size"] for r in d["v7layout"]})
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in d["v7layout"]))
+        by = {(r["batch"], r["context"], r["block_size"]): r["paths"] for r in d["v7layout"]}
+        print("**v7layout** (16/8 heads, blocks in random order; each cell: v7 over the "
+              "token-major cache / over the head-major cache / SDPA on contiguous K/V, µs per "
+              "call)\n")
+        print("| batch × context | " + " | ".join(f"block {bs}" for bs in sizes) + " |")
+        print("|---|" + "---|" * len(sizes))
+        for b, c in shapes:
+            cells = []
+            for bs in sizes:
+                p = by.get((b, c, bs), {})
+                us = [p.get(n, {}).get("us") for n in ("ours_v7", "ours_v7_head_major",
+                                                       "sdpa_contig")]
+                cells.append(" / ".join("-" if u is None else f"{u:.1f}" for u in us))
             print(f"| {b} × {c} | " + " | ".join(cells) + " |")
         print()
     for new in ("v8", "v9"):

@@ -33,8 +33,12 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
             int64_t q_stride, int max_context_len, int partition_size, int max_splits,
             float scale, int dtype, std::uintptr_t stream, int unroll, int cluster,
             int heads_per_cta, int stages, std::uintptr_t counters, std::uintptr_t seq_order,
-            int64_t num_blocks) {
+            int64_t num_blocks, int64_t kv_block_stride, int64_t kv_head_stride,
+            int64_t kv_token_stride) {
   DecodeParams p;
+  p.kv_block_stride = kv_block_stride;
+  p.kv_head_stride = kv_head_stride;
+  p.kv_token_stride = kv_token_stride;
   p.out = as_ptr<void>(out);
   p.q = as_ptr<const void>(q);
   p.k_cache = as_ptr<const void>(k_cache);
@@ -68,6 +72,10 @@ void decode(int version, std::uintptr_t out, std::uintptr_t q, std::uintptr_t k_
   }
   if (partition_size <= 0 || max_splits <= 0) {
     throw std::invalid_argument("partition_size and max_splits must be positive");
+  }
+  if (version != 7 && !kv_token_major(p)) {
+    throw std::invalid_argument("version " + std::to_string(version) +
+                                " reads only the contiguous token-major KV cache");
   }
   switch (version) {
     case 1: return paged_attention_v1(p, as_stream(stream));
@@ -106,7 +114,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("partition_size"), py::arg("max_splits"), py::arg("scale"), py::arg("dtype"),
         py::arg("stream"), py::arg("unroll") = 0, py::arg("cluster") = 0,
         py::arg("heads_per_cta") = 0, py::arg("stages") = 0, py::arg("counters") = 0,
-        py::arg("seq_order") = 0, py::arg("num_blocks") = 0);
+        py::arg("seq_order") = 0, py::arg("num_blocks") = 0,
+        py::arg("kv_block_stride") = 0, py::arg("kv_head_stride") = 0,
+        py::arg("kv_token_stride") = 0);
 
   m.def(
       "reshape_and_cache",

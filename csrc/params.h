@@ -21,7 +21,9 @@ enum class DType : int {
 // Everything one paged decode-attention launch needs.
 //
 //   q            [num_seqs, num_q_heads, head_dim]     row stride q_stride (elements)
-//   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   contiguous
+//   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   contiguous, or
+//                (version 7) any layout of those four dimensions with head_dim
+//                dense, given by kv_block/head/token_stride
 //   block_tables [num_seqs, max_blocks_per_seq]  int32
 //   context_lens [num_seqs]                       int32 (tokens to attend to, >= 0)
 //   out          [num_seqs, num_q_heads, head_dim] contiguous
@@ -58,6 +60,13 @@ struct DecodeParams {
   int block_size = 0;
   int max_blocks_per_seq = 0;
   int64_t q_stride = 0;
+  // Element strides of the KV cache's block, KV head and token dimensions
+  // (K and V alike). 0: the contiguous layout above, token-major in a block
+  // ([block][token][head][dim]). Version 7 also reads a head-major cache
+  // ([block][head][token][dim]: one head's rows of a block are contiguous).
+  int64_t kv_block_stride = 0;
+  int64_t kv_head_stride = 0;
+  int64_t kv_token_stride = 0;
   int max_context_len = 0;
   // Tokens per split (a power of two); splits = ceil(context_len / partition_size).
   int partition_size = 0;
@@ -77,6 +86,27 @@ struct DecodeParams {
   // Versions 6 and 7: shared-memory stages of the cp.async ring (0: default).
   int stages = 0;
 };
+
+// `p` with the KV strides filled in: those of the contiguous token-major
+// cache where they are 0.
+inline DecodeParams with_kv_strides(const DecodeParams& p) {
+  DecodeParams q = p;
+  if (q.kv_token_stride == 0 && q.kv_head_stride == 0 && q.kv_block_stride == 0) {
+    q.kv_head_stride = q.head_dim;
+    q.kv_token_stride = static_cast<int64_t>(q.num_kv_heads) * q.head_dim;
+    q.kv_block_stride = q.kv_token_stride * q.block_size;
+  }
+  return q;
+}
+
+// Whether the KV cache is the contiguous token-major layout (all versions
+// read it; only version 7 reads another).
+inline bool kv_token_major(const DecodeParams& p) {
+  const DecodeParams q = with_kv_strides(p);
+  return q.kv_head_stride == q.head_dim &&
+         q.kv_token_stride == static_cast<int64_t>(q.num_kv_heads) * q.head_dim &&
+         q.kv_block_stride == q.kv_token_stride * q.block_size;
+}
 
 // One launcher per numbered version of the decode kernel (see the chapter).
 void paged_attention_v1(const DecodeParams& p, cudaStream_t stream);

@@ -110,17 +110,19 @@ struct RowSwizzle {
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int end, int lane,
                                            const int* s_blocks, int first_block, int log2_bs,
-                                           int offset_mask, int64_t token_stride,
-                                           const T* k_head, const T* v_head) {
+                                           int offset_mask, int64_t block_stride,
+                                           int64_t token_stride, const T* k_head,
+                                           const T* v_head) {
   constexpr int CPR = HEAD_DIM / 8;
   constexpr int ROWS_PER_COPY = 32 / CPR;
   constexpr uint32_t kTileBytes = kV7Tile * HEAD_DIM * 2;
   const int chunk = lane % CPR, row0 = lane / CPR;
-  // The tile's 16 slots are consecutive: one block, one table entry.
-  const int64_t slot0 = (static_cast<int64_t>(s_blocks[(t0 >> log2_bs) - first_block])
-                         << log2_bs) + (t0 & offset_mask);
-  const T* k = k_head + slot0 * token_stride + chunk * 8;
-  const T* v = v_head + slot0 * token_stride + chunk * 8;
+  // The tile's 16 tokens are consecutive: one block, one table entry.
+  const int64_t row_of_tile =
+      static_cast<int64_t>(s_blocks[(t0 >> log2_bs) - first_block]) * block_stride +
+      (t0 & offset_mask) * token_stride + chunk * 8;
+  const T* k = k_head + row_of_tile;
+  const T* v = v_head + row_of_tile;
 #pragma unroll
   for (int i = 0; i < kV7Tile / ROWS_PER_COPY; ++i) {
     const int row = row0 + i * ROWS_PER_COPY;

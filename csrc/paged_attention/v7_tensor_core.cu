@@ -100,9 +100,10 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
   // Tiles of the partition; warp w takes tiles w, w + WARPS, w + 2 WARPS, ...
   const int num_tiles = start < ctx ? (end - start + kV7Tile - 1) / kV7Tile : 0;
   const int my_tiles = warp < num_tiles ? (num_tiles - warp + WARPS - 1) / WARPS : 0;
-  const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
-  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM;
-  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM;
+  const int64_t token_stride = p.kv_token_stride;
+  const int64_t block_stride = p.kv_block_stride;
+  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * p.kv_head_stride;
+  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * p.kv_head_stride;
   const int offset_mask = (1 << log2_bs) - 1;
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(v7_smem)) +
                         warp * STAGES * kStageBytes;
@@ -123,7 +124,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     const int tile_start = start + (s * WARPS + warp) * kV7Tile;
     if (s == filled && s < my_tiles && tile_start + kV7Tile < ctx_entry) {
       issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, tile_start, end, lane, s_blocks,
-                              first_block, log2_bs, offset_mask, token_stride, k_head, v_head);
+                              first_block, log2_bs, offset_mask, block_stride, token_stride, k_head,
+                              v_head);
       cp_async_commit();
       ++filled;
     }
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
       if (s < my_tiles) {
         issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, start + (s * WARPS + warp) * kV7Tile,
                                 end, lane, s_blocks, first_block, log2_bs, offset_mask,
-                                token_stride, k_head, v_head);
+                                block_stride, token_stride, k_head, v_head);
       }
       cp_async_commit();
     }
@@ -168,8 +170,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     if (i + STAGES - 1 < my_tiles) {
       issue_tile<T, HEAD_DIM>(ring + write_stage * kStageBytes,
                               start + ((i + STAGES - 1) * WARPS + warp) * kV7Tile, end, lane,
-                              s_blocks, first_block, log2_bs, offset_mask, token_stride,
-                              k_head, v_head);
+                              s_blocks, first_block, log2_bs, offset_mask, block_stride,
+                              token_stride, k_head, v_head);
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();  // this lane's copies of step i have landed
@@ -283,7 +285,7 @@ struct LaunchV7 {
       // cannot shorten its tail (and longest first measured slower at 32
       // sequences, chapter 9). Past one wave, a CTA starts when another ends:
       // the longest sequences go first, so that the last CTAs are short ones.
-      DecodeParams q = p;
+      DecodeParams q = with_kv_strides(p);
       const int resident = resident_blocks_per_sm(reinterpret_cast<const void*>(k.fn),
                                                   k.warps * 32, k.pipe_bytes + table);
       if (ctas <= static_cast<int64_t>(resident) *

@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
   const int groups = p.num_q_heads / GROUP;
   const int max_ctx = p.max_blocks_per_seq << log2_bs;
   const int64_t token_stride = static_cast<int64_t>(p.num_kv_heads) * HEAD_DIM;
+  const int64_t block_stride = token_stride << log2_bs;  // token-major only
   const int offset_mask = (1 << log2_bs) - 1;
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(v8_smem)) +
                         warp * STAGES * kStageBytes;
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
       if (early && !(tile < num_tiles && t0 + kV7Tile < s.ctx && st == filled)) continue;
       if (tile < num_tiles) {
         issue_tile<T, HEAD_DIM>(ring + st * kStageBytes, t0, stop, lane, table, 0, log2_bs,
-                                offset_mask, token_stride, k_head, v_head);
+                                offset_mask, block_stride, token_stride, k_head, v_head);
       }
       cp_async_commit();
       filled = st + 1;
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v8_kernel(DecodePa
           issue_tile<T, HEAD_DIM>(ring + write_stage * kStageBytes,
                                   start + ((i + STAGES - 1) * WARPS + warp) * kV7Tile, stop,
                                   lane, s_blocks, first_block, log2_bs, offset_mask,
-                                  token_stride, k_head, v_head);
+                                  block_stride, token_stride, k_head, v_head);
         }
         cp_async_commit();
         cp_async_wait<STAGES - 1>();

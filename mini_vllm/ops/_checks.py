@@ -47,17 +47,32 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   dtypes: tuple[torch.dtype, ...]) -> tuple[int, int, int, int]:
+                   dtypes: tuple[torch.dtype, ...], *,
+                   any_layout: bool = False) -> tuple[int, int, int, int]:
     """Check a layer's caches; return (num_blocks, block_size, num_kv_heads, head_dim).
+
+    The caches are [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+    with `any_layout`, any strides that keep head_dim dense and every row on 16
+    bytes (e.g. a head-major cache seen through `.transpose(1, 2)`), the same
+    for K and V.
 
     Raises:
         ValueError: on a wrong rank, dtype, layout or block size.
     """
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=dtypes)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes, contiguous=not any_layout)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=dtypes, contiguous=not any_layout)
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
                          f"{tuple(v_cache.shape)} {v_cache.dtype} must match")
+    if any_layout:
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError(f"k_cache strides {k_cache.stride()} and v_cache strides "
+                             f"{v_cache.stride()} must match")
+        if k_cache.stride(3) != 1:
+            raise ValueError("k_cache: head_dim must be the dense (last) dimension")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:3]):
+                raise ValueError(f"{name}: every row must start on 16 bytes")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"k_cache: block_size {block_size} must be a power of two")

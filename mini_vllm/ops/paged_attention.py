@@ -189,7 +189,10 @@ def paged_decode_attention(
             a fused QKV output).
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous,
             same dtype; block_size a power of two; head_dim 32, 64 or 128
-            (versions 7-9: block_size >= 16, head_dim 64 or 128).
+            (versions 7-9: block_size >= 16, head_dim 64 or 128). Version 7
+            also reads other layouts of these dimensions with head_dim dense,
+            e.g. a head-major cache [num_blocks, num_kv_heads, block_size,
+            head_dim] passed as `.transpose(1, 2)`.
         v_cache: like `k_cache`.
         block_tables: [num_seqs, max_blocks_per_seq] int32.
         context_lens: [num_seqs] int32, tokens in the cache per sequence (the
@@ -241,7 +244,8 @@ def paged_decode_attention(
         RuntimeError: when the CUDA kernels are not built.
     """
     check_tensor("query", query, ndim=3, dtypes=ATTENTION_DTYPES, contiguous=False)
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache, ATTENTION_DTYPES)
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache, ATTENTION_DTYPES,
+                                                           any_layout=True)
     num_seqs, num_q_heads, q_head_dim = query.shape
     if k_cache.dtype != query.dtype:
         raise ValueError(f"query is {query.dtype} but the KV cache is {k_cache.dtype}")
@@ -265,6 +269,9 @@ def paged_decode_attention(
         version = default_decode_version(head_dim, block_size)
     if version not in DECODE_VERSIONS:
         raise ValueError(f"version {version} is not one of {DECODE_VERSIONS}")
+    if version != 7 and not k_cache.is_contiguous():
+        raise ValueError(f"version {version} reads only a contiguous k_cache / v_cache "
+                         "(version 7 reads any layout with head_dim dense)")
     if stages < 0:
         raise ValueError(f"stages must be >= 0, got {stages}")
     if stages and version not in (6, 7, 9):
@@ -339,5 +346,5 @@ def paged_decode_attention(
             dtype_code(query.dtype), torch.cuda.current_stream(device).cuda_stream, unroll,
             cluster, group_per_cta, stages, 0 if counters is None else counters.data_ptr(),
             0 if seq_order is None or version not in (7, 9) else seq_order.data_ptr(),
-            k_cache.shape[0])
+            k_cache.shape[0], k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
     return out

@@ -108,17 +108,25 @@ def _context_lens(batch: int, max_ctx: int, block_size: int, gen: torch.Generato
     return lens
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` stored head-major ([block][head][token][dim]), seen as [block, token, head, dim]."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _run_decode(context_lens: list[int], block_size: int, heads: tuple[int, int, int],
-                dtype: torch.dtype, gen: torch.Generator, **kwargs: object) -> None:
+                dtype: torch.dtype, gen: torch.Generator, head_major: bool = False,
+                **kwargs: object) -> None:
     num_q_heads, num_kv_heads, head_dim = heads
     k_cache, v_cache, tables, lens = _paged_batch(context_lens, block_size, num_kv_heads,
                                                   head_dim, dtype, "cuda", gen)
+    k_read, v_read = ((_head_major(k_cache), _head_major(v_cache)) if head_major
+                      else (k_cache, v_cache))
     q_scale = 1.0 + 3.0 * torch.rand((), generator=gen, device="cuda").item()  # peaky and flat softmaxes
     query = (q_scale * torch.randn((len(context_lens), num_q_heads, head_dim), generator=gen,
                                    device="cuda")).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(query, float("nan"))
-    ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale,
+    ops.paged_decode_attention(query, k_read, v_read, tables, lens, scale,
                                max(context_lens), out=out, **kwargs)
     ref = paged_decode_attention_ref(query, k_cache, v_cache, tables, lens, scale)
     _assert_close(out, ref)
@@ -286,6 +294,25 @@ def test_decode_v7_groups_and_tile_edges(dtype: torch.dtype, block_size: int,
     _run_decode(V7_CONTEXTS[:-1], block_size, heads, dtype, gen, version=version,
                 partition_size=32)
     _run_decode(V7_CONTEXTS, block_size, heads, dtype, gen, version=version, unroll=4, stages=2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", V7_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_v7_head_major_cache(block_size: int, heads: tuple[int, int, int]) -> None:
+    """Version 7 over a head-major cache (one head's rows of a block contiguous),
+    passed as a [block, token, head, dim] view: tile and block edges, split-K, the
+    wide ring and 256 sequences; the unowned slots stay NaN there too."""
+    gen = _gen("v7 head-major", block_size, heads)
+    _run_decode(V7_CONTEXTS, block_size, heads, torch.bfloat16, gen, head_major=True,
+                version=7)
+    _run_decode(V7_CONTEXTS[:-1], block_size, heads, torch.float16, gen, head_major=True,
+                version=7, partition_size=32)
+    _run_decode(V7_CONTEXTS, block_size, heads, torch.bfloat16, gen, head_major=True,
+                version=7, unroll=4, stages=2)
+    _run_decode(_context_lens(256, 600, block_size, gen), block_size, heads, torch.bfloat16,
+                gen, head_major=True, version=7)
 
 
 @pytest.mark.gpu
@@ -634,7 +661,13 @@ def _cpu_decode_args(**over: object) -> dict[str, object]:
     ({"k_cache": torch.randn(4, 24, 8, 128, dtype=torch.bfloat16),
       "v_cache": torch.randn(4, 24, 8, 128, dtype=torch.bfloat16)}, "power of two"),
     ({"v_cache": torch.randn(4, 8, 16, 128, dtype=torch.bfloat16).transpose(1, 2)},
-     "v_cache: must be contiguous"),
+     r"k_cache strides \(16384, 1024, 128, 1\) and v_cache strides .* must match"),
+    ({"k_cache": torch.randn(4, 16, 128, 8, dtype=torch.bfloat16).transpose(2, 3),
+      "v_cache": torch.randn(4, 16, 128, 8, dtype=torch.bfloat16).transpose(2, 3)},
+     "head_dim must be the dense"),
+    ({"version": 5, "k_cache": torch.randn(4, 8, 16, 128, dtype=torch.bfloat16).transpose(1, 2),
+      "v_cache": torch.randn(4, 8, 16, 128, dtype=torch.bfloat16).transpose(1, 2)},
+     "version 5 reads only a contiguous k_cache"),
     ({"v_cache": torch.randn(5, 16, 8, 128, dtype=torch.bfloat16)}, "must match"),
     ({"block_tables": torch.ones(2, 3, dtype=torch.int64)}, "block_tables: dtype int64"),
     ({"context_lens": torch.tensor([5], dtype=torch.int32)}, "num_seqs = 2 rows"),
