@@ -203,7 +203,9 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
 
     By kind of step: each step's GPU time comes from the two CUDA events the
     engine records around it (`gpu_busy_s`); decode steps are bucketed by
-    batch size. By kernel: torch.profiler over the same run, with the kernel
+    batch size. Each kind also counts the context tokens its decode rows
+    attend to (`kv_read_tokens`), from which `add_step_floors` gives each
+    kind its floor and its time per step above it. By kernel: torch.profiler over the same run, with the kernel
     categories of `step_profile.py`. The profiler slows the host, not the
     kernels, so its wall time is not a throughput figure. A kernel launched
     with programmatic dependent launch may start before the one it follows
@@ -212,33 +214,42 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
     from benchmarks.step_profile import by_category, profile_kernels
 
     engine = llm.engine
-    steps: list[tuple[bool, int, float]] = []
-    process = engine._process
+    steps: list[tuple[bool, int, float, int]] = []
+    launch, process = engine._launch, engine._process
+    kv_tokens: dict[int, int] = {}  # id of a launched step -> context tokens its decodes read
+
+    def record_launch(sched: Any, prev: Any) -> Any:
+        step = launch(sched, prev)
+        kv_tokens[id(step)] = sum(s.start_pos + s.num_new_tokens
+                                  for s in sched.scheduled if not s.is_prefill)
+        return step
 
     def record(step: Any) -> Any:
         out = process(step)
         host = step.host
         if host is not None and host.start is not None:
             steps.append((host.decode_only, len(step.rows),
-                          host.start.elapsed_time(host.event) / 1e3))
+                          host.start.elapsed_time(host.event) / 1e3, kv_tokens.pop(id(step), 0)))
         return out
 
     engine.scheduler.reset_prefix_cache()  # else the prompts of the timed run are cached
-    engine._process = record  # instance attribute: shadows the method for this run only
+    # instance attributes: they shadow the methods for this run only
+    engine._launch, engine._process = record_launch, record
     try:
         kernels = profile_kernels(run)
     finally:
-        del engine._process
+        del engine._launch, engine._process
     kinds: dict[str, dict[str, float]] = {}
-    for decode_only, rows, seconds in steps:
+    for decode_only, rows, seconds, kv_read_tokens in steps:
         if decode_only:
             top = next(b for b in _BATCH_BUCKETS + (rows,) if rows <= b)
             kind = f"decode, batch <= {top}"
         else:
             kind = "prefill or mixed"
-        entry = kinds.setdefault(kind, {"steps": 0, "gpu_s": 0.0})
+        entry = kinds.setdefault(kind, {"steps": 0, "gpu_s": 0.0, "kv_read_tokens": 0})
         entry["steps"] += 1
         entry["gpu_s"] += seconds
+        entry["kv_read_tokens"] += kv_read_tokens
     for entry in kinds.values():
         entry["gpu_ms_per_step"] = 1e3 * entry["gpu_s"] / entry["steps"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
@@ -473,11 +484,29 @@ def print_report(report: dict[str, Any]) -> None:
             print_breakdown(backend, r["breakdown"])
 
 
+# --8<-- [start:step_floors]
+def add_step_floors(results: dict[str, dict[str, Any]], floor: dict[str, Any]) -> None:
+    """Give each kind of step of a breakdown its floor: the KV its decode rows read
+    plus one read of the weights per step, at the run's copy bandwidth; and the GPU
+    time per step above that floor. (A prefill's compute is not in it.)"""
+    bw = floor["bandwidth_bytes_per_s"]
+    for r in results.values():
+        for kind in r.get("breakdown", {}).get("gpu_s_by_step_kind", {}).values():
+            if "kv_read_tokens" not in kind:
+                continue
+            kind["floor_s"] = (kind["kv_read_tokens"] * floor["kv_bytes_per_token"]
+                               + kind["steps"] * floor["weight_bytes"]) / bw
+            kind["ms_per_step_above_floor"] = (
+                1e3 * (kind["gpu_s"] - kind["floor_s"]) / kind["steps"])
+# --8<-- [end:step_floors]
+
+
 def print_breakdown(backend: str, b: dict[str, Any]) -> None:
     """GPU seconds of the profiled run, by kind of step and by kernel category."""
     print(f"\n{backend}, a second run of the workload, GPU time by kind of step:")
     print(format_table([{"step": k, **v} for k, v in b["gpu_s_by_step_kind"].items()],
-                       ["step", "steps", "gpu_s", "gpu_ms_per_step"]))
+                       ["step", "steps", "gpu_s", "gpu_ms_per_step", "floor_s",
+                        "ms_per_step_above_floor"]))
     print(f"kernel time by category (s, {b['kernel_s_total']:.3f} in all):")
     print(format_table([{"category": k, "s": v} for k, v in
                         sorted(b["kernel_s_by_category"].items(), key=lambda kv: -kv[1])],
@@ -547,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "results": results,
     }
     report["ratios"] = summarize(results, floor)
+    add_step_floors(results, floor)
     write_json(ns.output, report)
     print(f"wrote {ns.output}")
     print_report(report)

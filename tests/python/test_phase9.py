@@ -121,6 +121,24 @@ def test_decode_steps_when_requests_queue(common: ModuleType) -> None:
     assert common.decode_steps([5, 1, 1, 1], max_num_seqs=2) == 5
 
 
+def test_step_floors_of_a_breakdown() -> None:
+    """Each kind of step gets the floor of its KV reads plus one weight read per step,
+    and its GPU time per step above that; results without a breakdown are left alone."""
+    throughput = _load("throughput")
+    floor = {"bandwidth_bytes_per_s": 1e12, "kv_bytes_per_token": 1000, "weight_bytes": 10**9}
+    kinds = {"decode, batch <= 8": {"steps": 10, "gpu_s": 0.02, "kv_read_tokens": 5 * 10**6},
+             "prefill or mixed": {"steps": 2, "gpu_s": 0.01, "kv_read_tokens": 0}}
+    results = {"mini-vllm": {"breakdown": {"gpu_s_by_step_kind": kinds}},
+               "transformers": {"status": "ok"}}
+    throughput.add_step_floors(results, floor)
+    decode, prefill = kinds["decode, batch <= 8"], kinds["prefill or mixed"]
+    assert decode["floor_s"] == pytest.approx((5e9 + 10e9) / 1e12)  # 5 GB of KV, 10 weight reads
+    assert decode["ms_per_step_above_floor"] == pytest.approx(1e3 * (0.02 - 0.015) / 10)
+    assert prefill["floor_s"] == pytest.approx(2e9 / 1e12)
+    assert prefill["ms_per_step_above_floor"] == pytest.approx(1e3 * (0.01 - 0.002) / 2)
+    assert results["transformers"] == {"status": "ok"}
+
+
 def test_prefill_flops_count_matmuls_attention_and_one_logit_row(common: ModuleType) -> None:
     shape = common.ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2,
                               num_kv_heads=1, head_dim=4, vocab_size=32,
