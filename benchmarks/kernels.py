@@ -45,11 +45,11 @@ against SDPA on contiguous K/V at the bar's shapes, blocks of 16 and 64),
 ``v8`` (version 8, version 7's tiles cut evenly over a persistent
 grid, against version 7 and SDPA on contiguous K/V), ``v9`` (version 9, version
 7's tiles copied by the TMA, against version 7 and SDPA on contiguous K/V, at
-the v7 table's shapes), ``mixed`` (version 7 on
-batches of contexts from 100 to 2,047 tokens, its grid taking the sequences in
-the drawn order or longest first), ``layout`` (one KV head with
-blocks in order: the paged cache then holds the bytes in SDPA's contiguous
-order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
+the v7 table's shapes), ``mixed`` (version 7 on batches of contexts from
+100 to 2,047 tokens, its grid taking the sequences in the drawn order or
+longest first, with the default ring and the wide ones), ``layout`` (one KV
+head with blocks in order: the paged cache then holds the bytes in SDPA's
+contiguous order), ``tuning`` (partition sizes and unroll depths), ``prefill``,
 ``gemv`` (the skinny GEMM of decode's linear layers against cuBLAS at 1 to
 16 rows, Qwen3-0.6B's and Qwen3-8B's shapes; bytes are the weight, x and y,
 each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
@@ -538,7 +538,7 @@ def v7_bar_report(rows: list[dict]) -> dict:
 # ----------------------------------------------------------------------------
 # Mixed context lengths: what a decode step of the standard workload looks like
 # ----------------------------------------------------------------------------
-MIXED_BATCHES = (32, 64, 96, 128, 192, 256)
+MIXED_BATCHES = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
 
 
 def mixed_lengths(batch: int, seed: int = 0) -> list[int]:
@@ -620,6 +620,8 @@ MIXED_PATHS = {
     "v7_longest_first_p1024": ("longest", {"version": 7, "partition_size": 1024}),
     "v7_longest_first_p512": ("longest", {"version": 7, "partition_size": 512}),
     "v8": ("drawn", {"version": 8}),
+    "v7_longest_first_w4s2": ("longest", {"version": 7, "unroll": 4, "stages": 2}),
+    "v7_longest_first_w4s3": ("longest", {"version": 7, "unroll": 4, "stages": 3}),
 }
 
 

@@ -51,6 +51,10 @@ _V5_MAX_HEADS_PER_CTA = 2
 # needs block_size >= 16 and partitions that are multiples of 16 tokens.
 V7_TILE_TOKENS = 16
 V7_HEAD_DIMS = (64, 128)
+# Version 7's wide ring, (warps, stages): what the launcher picks by itself
+# for a grid of many waves, and what the engine asks for when a batch's
+# contexts differ (cuda_backend.py, chapter 9).
+V7_WIDE_RING = (4, 2)
 # Version 8 runs version 7's tiles on a persistent grid of at most this many
 # CTAs per SM (it launches as many as fit, 4 on an H200); its workspace holds
 # two partial results per CTA.

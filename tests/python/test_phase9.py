@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.phase9
 
@@ -137,6 +138,32 @@ def test_step_floors_of_a_breakdown() -> None:
     assert prefill["floor_s"] == pytest.approx(2e9 / 1e12)
     assert prefill["ms_per_step_above_floor"] == pytest.approx(1e3 * (0.01 - 0.002) / 2)
     assert results["transformers"] == {"status": "ok"}
+
+
+@pytest.mark.parametrize(("batch", "head_dim", "block_size", "ring"), [
+    (3, 128, 16, {}),                                   # a few sequences: the kernel's own rule
+    (4, 128, 16, {"unroll": 4, "stages": 2}),           # a batch: the wide ring
+    (256, 64, 32, {"unroll": 4, "stages": 2}),
+    (8, 32, 16, {}),                                    # head_dim 32 runs version 5: no ring
+    (8, 128, 8, {}),                                    # blocks of 8 run version 5 too
+])
+def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, batch: int,
+                                              head_dim: int, block_size: int,
+                                              ring: dict[str, int]) -> None:
+    """The engine's decode passes version 7's wide ring for a batch of sequences, and
+    nothing where version 7 does not run (the wrapper would refuse `stages`)."""
+    from mini_vllm import cuda_backend
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(cuda_backend.ops, "paged_decode_attention",
+                        lambda *args, **kw: calls.append(kw))
+    backend = cuda_backend.CudaAttentionBackend(torch.bfloat16, head_dim, "cpu",
+                                                use_kernels=True)
+    q = torch.zeros(batch, 4, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(3, block_size, 2, head_dim, dtype=torch.bfloat16)
+    backend._decode(q, cache, cache, torch.zeros(batch, 1, dtype=torch.int32),
+                    torch.ones(batch, dtype=torch.int32), 1.0, 16)
+    assert calls == [{"seq_order": None, **ring}]
 
 
 def test_prefill_flops_count_matmuls_attention_and_one_logit_row(common: ModuleType) -> None:
