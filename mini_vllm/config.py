@@ -196,6 +196,26 @@ class SchedulerConfig:
             )
 
 
+# --8<-- [start:piecewise_default]
+# The piecewise graphs of a step of T tokens keep every layer's QKV output of T
+# rows (Qwen3-0.6B: T x 229 KB); graphs up to 8,192 tokens hold 3.5 GB more
+# than graphs up to 512. Where that is a small share of the GPU, every prompt
+# step replays graphs: an eager step of thousands of tokens launches some 400
+# kernels from Python, and on an H200 the GPU waited for them in some runs
+# (chapter 9).
+PIECEWISE_ALL_STEPS_MIN_GPU_BYTES = 64 * 2**30
+PIECEWISE_SMALL_GPU_TOKENS = 512
+
+
+def default_piecewise_graph_tokens(gpu_total_bytes: int, max_num_batched_tokens: int) -> int:
+    """`max_piecewise_graph_tokens` when none is given: the whole step budget on a GPU
+    of at least 64 GiB, else 512 (or the budget, if smaller); 0 bytes: no GPU."""
+    if gpu_total_bytes >= PIECEWISE_ALL_STEPS_MIN_GPU_BYTES:
+        return max_num_batched_tokens
+    return min(PIECEWISE_SMALL_GPU_TOKENS, max_num_batched_tokens)
+# --8<-- [end:piecewise_default]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, resolved from engine arguments and the checkpoint."""
@@ -238,7 +258,10 @@ class EngineArgs:
     `max_piecewise_graph_tokens`: a step with prompt tokens and at most this many
     tokens in all replays piecewise CUDA graphs (the forward between its
     attentions) instead of launching its kernels one by one; 0 turns them off
-    (phase 9). `enforce_eager` turns off every graph.
+    (phase 9). `None` means the whole step budget (`max_num_batched_tokens`) on
+    a GPU of at least 64 GiB, where the graphs' 3.5 GB are a small share of the
+    KV cache, and 512 on a smaller one (see `default_piecewise_graph_tokens`).
+    `enforce_eager` turns off every graph.
     """
 
     model: str | None = None
@@ -256,7 +279,7 @@ class EngineArgs:
     cpu_kv_cache_gb: float = 1.0
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
-    max_piecewise_graph_tokens: int = 512
+    max_piecewise_graph_tokens: int | None = None
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
     load_format: str = "auto"
@@ -280,7 +303,7 @@ class EngineArgs:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: only 1 is supported")
-        if self.max_piecewise_graph_tokens < 0:
+        if self.max_piecewise_graph_tokens is not None and self.max_piecewise_graph_tokens < 0:
             raise ValueError("max_piecewise_graph_tokens must be >= 0, "
                              f"got {self.max_piecewise_graph_tokens}")
         if self.engine_process is not None and not isinstance(self.engine_process, bool):
@@ -313,6 +336,11 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        piecewise = self.max_piecewise_graph_tokens
+        if piecewise is None:
+            memory = (torch.cuda.get_device_properties(device).total_memory
+                      if device.type == "cuda" else 0)
+            piecewise = default_piecewise_graph_tokens(memory, budget)
         return EngineConfig(
             model=model_dir,
             model_config=model_config,
@@ -333,7 +361,7 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
-            max_piecewise_graph_tokens=self.max_piecewise_graph_tokens,
+            max_piecewise_graph_tokens=piecewise,
             tokenizer=self.tokenizer,
             served_model_name=self.served_model_name,
             load_format=self.load_format,
@@ -350,5 +378,6 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SchedulerConfig",
+    "default_piecewise_graph_tokens",
     "resolve_dtype",
 ]

@@ -232,6 +232,7 @@ class ModelRunner:
         self.step_start: torch.cuda.Event | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
+        self.graph_memory_bytes = 0  # what the CUDA graphs' memory pool holds
         if self.use_fast_path and not engine_config.enforce_eager:
             self._capture_cuda_graphs()
 
@@ -483,8 +484,8 @@ class ModelRunner:
                 sched.max_model_len, lambda bound: self._decode_grid(bs, bound)),
         )
         self.graph_runner.capture(pool)
-        logger.info("CUDA graphs hold %.0f MiB of GPU memory",
-                    (torch.cuda.memory_reserved(self.device) - reserved) / 2**20)
+        self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info("CUDA graphs hold %.0f MiB of GPU memory", self.graph_memory_bytes / 2**20)
 
     def _decode_grid(self, num_seqs: int, bound: int) -> tuple[int, int] | None:
         """The decode kernel's (partition size, splits) for contexts up to `bound`."""

@@ -166,6 +166,24 @@ def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, b
     assert calls == [{"seq_order": None, **ring}]
 
 
+def test_piecewise_graphs_cover_every_step_on_a_large_gpu(tiny_model_dir: Path) -> None:
+    """Without `max_piecewise_graph_tokens` the graphs reach the whole step budget on a
+    GPU of 64 GiB or more and 512 tokens below it; a value given is kept."""
+    from mini_vllm.config import EngineArgs, default_piecewise_graph_tokens
+
+    gib = 2**30
+    assert default_piecewise_graph_tokens(141 * gib, 8192) == 8192   # an H200
+    assert default_piecewise_graph_tokens(80 * gib, 16384) == 16384  # an H100, a larger budget
+    assert default_piecewise_graph_tokens(64 * gib, 8192) == 8192
+    assert default_piecewise_graph_tokens(64 * gib - 1, 8192) == 512
+    assert default_piecewise_graph_tokens(24 * gib, 256) == 256      # a budget under 512
+    assert default_piecewise_graph_tokens(0, 8192) == 512            # no GPU
+    cpu = EngineArgs(model=str(tiny_model_dir), device="cpu").create_engine_config()
+    assert cpu.max_piecewise_graph_tokens == 512
+    given = EngineArgs(model=str(tiny_model_dir), device="cpu", max_piecewise_graph_tokens=0)
+    assert given.create_engine_config().max_piecewise_graph_tokens == 0
+
+
 def test_prefill_flops_count_matmuls_attention_and_one_logit_row(common: ModuleType) -> None:
     shape = common.ModelShape(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2,
                               num_kv_heads=1, head_dim=4, vocab_size=32,
@@ -194,6 +212,8 @@ def test_throughput_smoke_run_writes_json(tiny_model_dir: Path, tmp_path: Path) 
     result = data["results"]["mini-vllm"]
     assert result["status"] == "ok", result
     assert result["block_size"] == 32  # the flag reached the engine
+    assert result["max_piecewise_graph_tokens"] == 512  # the default, resolved (no GPU)
+    assert result["kv_cache_blocks"] == 64 and result["graph_memory_bytes"] == 0  # no graphs
     assert result["output_tokens"] == data["workload"]["output_tokens"] == report[
         "workload"]["output_tokens"]
     assert result["output_tok_s"] == pytest.approx(result["output_tokens"] / result["wall_s"])
