@@ -977,6 +977,21 @@ def _cell(r: dict | None) -> str:
     return f"{r['us']:.1f} µs · {100 * r['frac_copy']:.0f} %"
 
 
+def print_by_block_size(rows: list[dict], title: str, cell: Callable[[dict], str]) -> None:
+    """A table of (batch × context) rows by block-size columns; `cell` formats one
+    shape's paths."""
+    sizes = sorted({r["block_size"] for r in rows})
+    shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    by = {(r["batch"], r["context"], r["block_size"]): r["paths"] for r in rows}
+    print(title + "\n")
+    print("| batch × context | " + " | ".join(f"block {bs}" for bs in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for b, c in shapes:
+        print(f"| {b} × {c} | " + " | ".join(cell(by.get((b, c, bs), {})) for bs in sizes)
+              + " |")
+    print()
+
+
 def print_versus(rows: list[dict], new: str, old: str, table: str) -> None:
     """A table's rows as markdown: `new` against `old` and SDPA on contiguous K/V."""
     a, b = new.removeprefix("ours_"), old.removeprefix("ours_")
@@ -1079,39 +1094,22 @@ def report(path: Path) -> None:
         if d.get("v7_bar"):
             print("**v7 bar**:", json.dumps(d["v7_bar"]), "\n")
     if d.get("v7blocks"):
-        sizes = sorted({r["block_size"] for r in d["v7blocks"]})
-        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in d["v7blocks"]))
-        by = {(r["batch"], r["context"], r["block_size"]): r["paths"] for r in d["v7blocks"]}
-        print("**v7blocks** (16/8 heads, blocks in random order; each cell: v7 / SDPA on "
-              "contiguous K/V, µs per call, and their ratio)\n")
-        print("| batch × context | " + " | ".join(f"block {bs}" for bs in sizes) + " |")
-        print("|---|" + "---|" * len(sizes))
-        for b, c in shapes:
-            cells = []
-            for bs in sizes:
-                p = by.get((b, c, bs), {})
-                v7, sdpa = p.get("ours_v7", {}).get("us"), p.get("sdpa_contig", {}).get("us")
-                cells.append(f"{v7:.1f} / {sdpa:.1f} ({v7 / sdpa:.3f})" if v7 and sdpa else "-")
-            print(f"| {b} × {c} | " + " | ".join(cells) + " |")
-        print()
+        def v7_vs_sdpa(p: dict) -> str:
+            v7, sdpa = p.get("ours_v7", {}).get("us"), p.get("sdpa_contig", {}).get("us")
+            return f"{v7:.1f} / {sdpa:.1f} ({v7 / sdpa:.3f})" if v7 and sdpa else "-"
+
+        print_by_block_size(d["v7blocks"], "**v7blocks** (16/8 heads, blocks in random order; "
+                            "each cell: v7 / SDPA on contiguous K/V, µs per call, and their "
+                            "ratio)", v7_vs_sdpa)
     if d.get("v7layout"):
-        sizes = sorted({r["block_size"] for r in d["v7layout"]})
-        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in d["v7layout"]))
-        by = {(r["batch"], r["context"], r["block_size"]): r["paths"] for r in d["v7layout"]}
-        print("**v7layout** (16/8 heads, blocks in random order; each cell: v7 over the "
-              "token-major cache / over the head-major cache / SDPA on contiguous K/V, µs per "
-              "call)\n")
-        print("| batch × context | " + " | ".join(f"block {bs}" for bs in sizes) + " |")
-        print("|---|" + "---|" * len(sizes))
-        for b, c in shapes:
-            cells = []
-            for bs in sizes:
-                p = by.get((b, c, bs), {})
-                us = [p.get(n, {}).get("us") for n in ("ours_v7", "ours_v7_head_major",
-                                                       "sdpa_contig")]
-                cells.append(" / ".join("-" if u is None else f"{u:.1f}" for u in us))
-            print(f"| {b} × {c} | " + " | ".join(cells) + " |")
-        print()
+        def layouts(p: dict) -> str:
+            us = [p.get(n, {}).get("us") for n in ("ours_v7", "ours_v7_head_major",
+                                                   "sdpa_contig")]
+            return " / ".join("-" if u is None else f"{u:.1f}" for u in us)
+
+        print_by_block_size(d["v7layout"], "**v7layout** (16/8 heads, blocks in random order; "
+                            "each cell: v7 over the token-major cache / over the head-major "
+                            "cache / SDPA on contiguous K/V, µs per call)", layouts)
     for new in ("v8", "v9"):
         if d.get(new):
             print_versus(d[new], f"ours_{new}", "ours_v7", new)
