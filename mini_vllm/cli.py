@@ -56,7 +56,8 @@ _ENGINE_ARG_HELP: dict[str, str] = {
     "enforce_eager": "never capture CUDA graphs",
     "max_piecewise_graph_tokens": "steps with prompts of up to this many tokens replay "
                                   "piecewise CUDA graphs (0: they run eagerly; default: "
-                                  "the step budget on a GPU of 64 GiB or more, else 512)",
+                                  "the step budget up to 8192 on a GPU of 64 GiB or more, "
+                                  "else 512)",
     "tensor_parallel_size": "GPUs to shard the model over (only 1 is supported)",
     "served_model_name": "the model name clients send as `model` (default: --model)",
     "load_format": "auto reads the checkpoint's weights; dummy fills them with random values "

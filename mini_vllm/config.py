@@ -204,15 +204,17 @@ class SchedulerConfig:
 # kernels from Python, and on an H200 the GPU waited for them in some runs
 # (chapter 9).
 PIECEWISE_ALL_STEPS_MIN_GPU_BYTES = 64 * 2**30
+PIECEWISE_LARGE_GPU_TOKENS = 8192  # the default step budget; the memory grows with it
 PIECEWISE_SMALL_GPU_TOKENS = 512
 
 
 def default_piecewise_graph_tokens(gpu_total_bytes: int, max_num_batched_tokens: int) -> int:
-    """`max_piecewise_graph_tokens` when none is given: the whole step budget on a GPU
-    of at least 64 GiB, else 512 (or the budget, if smaller); 0 bytes: no GPU."""
-    if gpu_total_bytes >= PIECEWISE_ALL_STEPS_MIN_GPU_BYTES:
-        return max_num_batched_tokens
-    return min(PIECEWISE_SMALL_GPU_TOKENS, max_num_batched_tokens)
+    """`max_piecewise_graph_tokens` when none is given: the step budget, up to 8,192
+    tokens, on a GPU of at least 64 GiB; else 512 (or the budget, if smaller);
+    0 bytes: no GPU."""
+    large = gpu_total_bytes >= PIECEWISE_ALL_STEPS_MIN_GPU_BYTES
+    return min(PIECEWISE_LARGE_GPU_TOKENS if large else PIECEWISE_SMALL_GPU_TOKENS,
+               max_num_batched_tokens)
 # --8<-- [end:piecewise_default]
 
 
@@ -258,9 +260,10 @@ class EngineArgs:
     `max_piecewise_graph_tokens`: a step with prompt tokens and at most this many
     tokens in all replays piecewise CUDA graphs (the forward between its
     attentions) instead of launching its kernels one by one; 0 turns them off
-    (phase 9). `None` means the whole step budget (`max_num_batched_tokens`) on
-    a GPU of at least 64 GiB, where the graphs' 3.5 GB are a small share of the
-    KV cache, and 512 on a smaller one (see `default_piecewise_graph_tokens`).
+    (phase 9). `None` means the step budget (`max_num_batched_tokens`), up to
+    8,192 tokens, on a GPU of at least 64 GiB, where the graphs' 3.5 GB are a
+    small share of the KV cache, and 512 on a smaller one (see
+    `default_piecewise_graph_tokens`).
     `enforce_eager` turns off every graph.
     """
 

@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(WARPS * 32) paged_attention_v7_kernel(DecodePa
     const int tile_start = start + (s * WARPS + warp) * kV7Tile;
     if (s == filled && s < my_tiles && tile_start + kV7Tile < ctx_entry) {
       issue_tile<T, HEAD_DIM>(ring + s * kStageBytes, tile_start, end, lane, s_blocks,
-                              first_block, log2_bs, offset_mask, block_stride, token_stride, k_head,
-                              v_head);
+                              first_block, log2_bs, offset_mask, block_stride, token_stride,
+                              k_head, v_head);
       cp_async_commit();
       ++filled;
     }

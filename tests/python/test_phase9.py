@@ -167,13 +167,15 @@ def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, b
 
 
 def test_piecewise_graphs_cover_every_step_on_a_large_gpu(tiny_model_dir: Path) -> None:
-    """Without `max_piecewise_graph_tokens` the graphs reach the whole step budget on a
-    GPU of 64 GiB or more and 512 tokens below it; a value given is kept."""
+    """Without `max_piecewise_graph_tokens` the graphs reach the step budget (up to
+    8,192 tokens) on a GPU of 64 GiB or more and 512 tokens below it; a value given is
+    kept."""
     from mini_vllm.config import EngineArgs, default_piecewise_graph_tokens
 
     gib = 2**30
     assert default_piecewise_graph_tokens(141 * gib, 8192) == 8192   # an H200
-    assert default_piecewise_graph_tokens(80 * gib, 16384) == 16384  # an H100, a larger budget
+    assert default_piecewise_graph_tokens(80 * gib, 4096) == 4096    # an H100, a smaller budget
+    assert default_piecewise_graph_tokens(80 * gib, 40960) == 8192   # no prefill chunking
     assert default_piecewise_graph_tokens(64 * gib, 8192) == 8192
     assert default_piecewise_graph_tokens(64 * gib - 1, 8192) == 512
     assert default_piecewise_graph_tokens(24 * gib, 256) == 256      # a budget under 512
