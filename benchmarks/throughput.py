@@ -208,11 +208,12 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
     engine records around it (`gpu_busy_s`); decode steps are bucketed by
     batch size. Each kind also counts the context tokens its decode rows
     attend to (`kv_read_tokens`), from which `add_step_floors` gives each
-    kind its floor and its time per step above it. By kernel: torch.profiler over the same run, with the kernel
-    categories of `step_profile.py`. The profiler slows the host, not the
-    kernels, so its wall time is not a throughput figure. A kernel launched
-    with programmatic dependent launch may start before the one it follows
-    ends; its time then includes that wait.
+    kind its floor and its time per step above it. By kernel: torch.profiler
+    over the same run, with the kernel categories of `step_profile.py`. The
+    profiler slows the host, not the kernels, so its wall time is not a
+    throughput figure. A kernel launched with programmatic dependent launch
+    may start before the one it follows ends; its time then includes that
+    wait.
     """
     from benchmarks.step_profile import by_category, profile_kernels
 
