@@ -56,6 +56,13 @@ each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
 ``gemm_plans`` (``gemm_wgmma`` at every plan, tile width by rows per CTA by
 splits of K, at Qwen3-0.6B's shapes: the sweep that sets the constants of its
 ``plan_cycles``; path ``ours_r128s4t64`` is 128 rows, 4 splits, 64 outputs),
+``gemm_l2`` (Qwen3-0.6B's products at 8 to 256 rows on our kernels, the
+GEMV to 16 rows and ``gemm_wgmma`` above, and on cuBLAS, each with its weight
+read from HBM and from the L2)::
+
+    python benchmarks/kernels.py --tables gemm_l2 --out benchmarks/results/kernels_gemm_l2_h200.json
+
+and
 ``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
 layer calls them, at 1 to 8,192 tokens)::
 
@@ -81,7 +88,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_vllm import ops
-from mini_vllm.ops.gemv import gemm_wgmma
+from mini_vllm.ops.gemv import GEMV_MAX_ROWS, gemm_wgmma
 from mini_vllm.ops.prefill import _gather_paged
 from mini_vllm.ops.reference import paged_decode_attention_ref
 
@@ -403,6 +410,8 @@ GEMV_ROWS = (1, 2, 4, 8, 16)
 # tiles of 128 outputs fill the GPU at most once (the lm_head stays cuBLAS's).
 GEMM_ROWS = (24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 GEMM_PLAN_ROWS = (32, 64, 96, 128, 192, 256)
+# The gemm_l2 table: decode batches on the GEMV (8, 16) and on gemm_wgmma.
+GEMM_L2_ROWS = (8, 16, 64, 128, 256)
 GEMM_PLAN_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
                "Qwen3-8B": GEMV_SHAPES["Qwen3-8B"][:2] + GEMV_SHAPES["Qwen3-8B"][3:4]}
@@ -412,7 +421,9 @@ GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
 def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEMV_ROWS,
                shapes: dict[str, list[tuple[str, int, int]]] | None = None,
                check: bool = True, product: Callable[..., torch.Tensor] = ops.gemv,
-               variants: dict[str, dict] | None = None) -> list[dict]:
+               variants: dict[str, dict] | None = None,
+               products: Callable[[int], Callable[..., torch.Tensor]] | None = None,
+               from_l2: bool = False) -> list[dict]:
     """Our skinny GEMM (`product`: `ops.gemv`, or `gemm_wgmma` for the gemm table)
     against `F.linear` (cuBLAS) at every shape and row count.
 
@@ -421,6 +432,10 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
     weights rotate through enough copies to defeat the L2, as the decode
     table's K/V do; the calls are replayed from a CUDA graph. `variants`
     adds paths `ours_<name>` that pass extra keyword arguments (e.g. splits).
+    `products` picks our kernel by row count instead of `product`. `from_l2`
+    adds `ours_l2` and `cublas_l2`: every call multiplies by the same weight,
+    which then stays in the L2, so they time the product with its weight read
+    from the L2 rather than from HBM.
     """
     result = []
     for model, layers in (shapes or GEMV_SHAPES).items():
@@ -436,14 +451,20 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
                 row = {"model": model, "layer": layer, "k": k, "n": n, "rows": m,
                        "bytes": moved, "rotations": rotations, "paths": {}}
                 ref = (xs[0].double() @ weights[0].double().T) if check else None
+                ours = products(m) if products else product
                 paths: dict[str, list[Callable[[], object]]] = {
-                    "ours": [lambda x=x, w=w, o=o: product(x, w, out=o)
+                    "ours": [lambda x=x, w=w, o=o, f=ours: f(x, w, out=o)
                              for x, w, o in zip(xs, weights, outs)],
                     "cublas": [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
                 }
+                if from_l2:  # the same weight every call: after the first, it is in the L2
+                    paths["ours_l2"] = [lambda x=x, o=o, f=ours, w=weights[0]: f(x, w, out=o)
+                                        for x, o in zip(xs, outs)]
+                    paths["cublas_l2"] = [lambda x=x, w=weights[0]: F.linear(x, w) for x in xs]
                 for name, kw in (variants or {}).items():
-                    paths[f"ours_{name}"] = [lambda x=x, w=w, o=o, kw=kw: product(x, w, out=o, **kw)
-                                             for x, w, o in zip(xs, weights, outs)]
+                    paths[f"ours_{name}"] = [
+                        lambda x=x, w=w, o=o, kw=kw, f=ours: f(x, w, out=o, **kw)
+                        for x, w, o in zip(xs, weights, outs)]
                 for path, calls in paths.items():
                     try:
                         err = None
@@ -952,6 +973,13 @@ def run(args: argparse.Namespace) -> dict:
                                     product=gemm_wgmma,
                                     variants={f"s{s}": {"splits": s} for s in (4, 8, 16)})
         save()
+    if "gemm_l2" in tables:
+        print(f"gemm_l2: Qwen3-0.6B's products at {GEMM_L2_ROWS} rows as the engine runs them "
+              "and with cuBLAS, the weight read from HBM and from the L2, bf16")
+        result["gemm_l2"] = bench_gemv(
+            copy_bw, device, rows=GEMM_L2_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
+            products=lambda m: ops.gemv if m <= GEMV_MAX_ROWS else gemm_wgmma, from_l2=True)
+        save()
     if "gemm_plans" in tables:
         print(f"gemm_plans: gemm_wgmma at every plan (tile width x rows per CTA x splits), "
               f"{GEMM_PLAN_ROWS} rows, bf16")
@@ -1144,6 +1172,11 @@ def report(path: Path) -> None:
         print()
     if d.get("gemv"):
         report_gemv(d["gemv"])
+    if d.get("gemm_l2"):
+        print_paths_table(
+            d["gemm_l2"], "**gemm_l2** (Qwen3-0.6B, bf16; ours: the GEMV to 16 rows, then "
+            "gemm_wgmma; `_l2`: the weight read from the L2; µs per call)",
+            {"layer": lambda r: r["layer"], "rows": lambda r: str(r["rows"])}, "{us:.2f}")
     if d.get("fused"):
         print_paths_table(
             d["fused"], "**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a "
