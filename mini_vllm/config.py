@@ -197,12 +197,12 @@ class SchedulerConfig:
 
 
 # --8<-- [start:piecewise_default]
-# The piecewise graphs of a step of T tokens keep every layer's QKV output of T
-# rows (Qwen3-0.6B: T x 229 KB); graphs up to 8,192 tokens hold 3.5 GB more
-# than graphs up to 512. Where that is a small share of the GPU, every prompt
-# step replays graphs: an eager step of thousands of tokens launches some 400
-# kernels from Python, and on an H200 the GPU waited for them in some runs
-# (chapter 9).
+# The graphs' memory pool keeps the activations of the largest step captured:
+# graphs up to 8,192 tokens hold 358 MiB more than graphs up to 512 for
+# Qwen3-0.6B (1,898 against 1,540 MiB on an H200), more for a wider model.
+# Where that is a small share of the GPU, every prompt step replays graphs: an
+# eager step of thousands of tokens launches some 400 kernels from Python, and
+# on an H200 the GPU waited for them in some runs (chapter 9).
 PIECEWISE_ALL_STEPS_MIN_GPU_BYTES = 64 * 2**30
 PIECEWISE_LARGE_GPU_TOKENS = 8192  # the default step budget; the memory grows with it
 PIECEWISE_SMALL_GPU_TOKENS = 512
@@ -261,9 +261,9 @@ class EngineArgs:
     tokens in all replays piecewise CUDA graphs (the forward between its
     attentions) instead of launching its kernels one by one; 0 turns them off
     (phase 9). `None` means the step budget (`max_num_batched_tokens`), up to
-    8,192 tokens, on a GPU of at least 64 GiB, where the graphs' 3.5 GB are a
-    small share of the KV cache, and 512 on a smaller one (see
-    `default_piecewise_graph_tokens`).
+    8,192 tokens, on a GPU of at least 64 GiB, where the memory that the
+    graphs of the largest steps hold is a small share, and 512 on a smaller one
+    (see `default_piecewise_graph_tokens`).
     `enforce_eager` turns off every graph.
     """
 

@@ -70,6 +70,11 @@ class CudaAttentionMetadata(AttentionMetadata):
         split: piecewise CUDA graphs (`cuda_graphs.PiecewiseGraphRunner`): when
             set, `paged_attention` hands its arguments to it instead of
             attending, and returns what it returns.
+        qkv_out: piecewise CUDA graphs: `[T, (Hq + 2 * Hkv) * D]`, where every
+            layer's QKV projection writes its output (None: a new tensor).
+            Attention reads q, k and v between two pieces, so a tensor of
+            each layer's own would stay allocated in the graphs' memory for
+            every layer and every captured size; one buffer serves them all.
     """
 
     num_decodes: int = 0
@@ -79,6 +84,7 @@ class CudaAttentionMetadata(AttentionMetadata):
     prefill_context_lens_cpu: list[int] = field(default_factory=list)
     decode_order: torch.Tensor | None = None
     split: AttentionSplit | None = None
+    qkv_out: torch.Tensor | None = None
 # --8<-- [end:metadata]
 
 

@@ -297,7 +297,7 @@ class _AttentionCall:
     """An attention between two pieces, as the forward made it at capture.
 
     `q`, `key` and `value` are views of the QKV projection the piece before
-    wrote (graph memory, kept alive by this record), `size` rows each.
+    wrote (the runner's `qkv_out`), `size` rows each.
     """
 
     backend: CudaAttentionBackend
@@ -334,18 +334,27 @@ class PiecewiseGraphRunner:
     0, slots -1: the KV write skips them), and its attention reads and
     writes the first `T` rows only.
 
+    Attention reads the QKV projection's output between two pieces, so that
+    output must outlive the piece that wrote it. Every layer's projection
+    writes it into one buffer, `qkv_out` (handed to the model in the
+    metadata): each layer's attention has read it before the next layer's
+    projection writes it again, and one buffer of the largest size serves the
+    graphs of every size.
+
     Args:
         forward: the model's forward (no LM head).
         kv_caches: the per-layer caches.
         sizes: the token counts to capture (see `piecewise_sizes`).
         num_heads: query heads; `attn_out` is `[max(sizes), num_heads, head_dim]`.
+        num_kv_heads: KV heads; `qkv_out` is `[max(sizes), (num_heads + 2 *
+            num_kv_heads) * head_dim]`.
         head_dim: size of one head.
         dtype: the activations' dtype.
         device: the GPU.
     """
 
     def __init__(self, forward: HiddenFn, kv_caches: list[KVCache], sizes: list[int],
-                 num_heads: int, head_dim: int, dtype: torch.dtype,
+                 num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"piecewise sizes must be positive, got {sizes}")
@@ -356,6 +365,8 @@ class PiecewiseGraphRunner:
         n = self.sizes[-1]
         self.token_inputs = TokenInputs(n, device)
         self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        self.qkv_out = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype,
+                                   device=device)
         self._no_seqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[_AttentionCall]] = {}
@@ -373,7 +384,7 @@ class PiecewiseGraphRunner:
             slot_mapping=self.token_inputs.rows[2, :size], query_start_loc=self._no_seqs,
             context_lens=self._no_seqs[:0], block_tables=self._no_seqs[:0].view(0, 1),
             max_query_len=size, max_context_len=0, query_start_loc_cpu=[0],
-            context_lens_cpu=[], split=split)
+            context_lens_cpu=[], split=split, qkv_out=self.qkv_out[:size])
         return self.forward(self.token_inputs.rows[0, :size], self.token_inputs.rows[1, :size],
                             self.kv_caches, meta)
 

@@ -285,12 +285,11 @@ class ModelRunner:
         ) * cfg.head_dim
         activations = sched_cfg.max_num_batched_tokens * widest * self.dtype.itemsize
         logits = 2 * sched_cfg.max_num_seqs * cfg.vocab_size * 4
-        # The piecewise graphs keep each layer's QKV output of each size alive
-        # (attention reads it between two pieces).
+        # The piecewise graphs' QKV buffer, which attention reads between two
+        # pieces (one for every layer and size: PiecewiseGraphRunner).
         qkv_width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         pieces = 0 if self.engine_config.enforce_eager else (
-            sum(self._piecewise_sizes()) * cfg.num_hidden_layers * qkv_width
-            * self.dtype.itemsize)
+            max(self._piecewise_sizes(), default=0) * qkv_width * self.dtype.itemsize)
         budget = int(total * self.engine_config.cache_config.gpu_memory_utilization)
         return budget - used - activations - logits - pieces - _GPU_FIXED_MARGIN_BYTES
     # --8<-- [end:num_blocks]
@@ -472,8 +471,8 @@ class ModelRunner:
         sizes = self._piecewise_sizes()
         if sizes:
             self.piecewise_runner = PiecewiseGraphRunner(
-                self.model, self.kv_caches, sizes, cfg.num_attention_heads, cfg.head_dim,
-                self.dtype, self.device)
+                self.model, self.kv_caches, sizes, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
             self.piecewise_runner.capture(pool)
         max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.graph_runner = CudaGraphRunner(

@@ -89,9 +89,17 @@ class Linear(nn.Module):
                 return gemm_wgmma
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W.T`, into `out` (`[rows, sum(output_sizes)]`, contiguous) when given."""
         kernel = self._kernel(x)
-        return kernel(x, self.weight) if kernel else F.linear(x, self.weight)
+        if out is None:
+            return kernel(x, self.weight) if kernel else F.linear(x, self.weight)
+        if out.shape != (x.shape[0], self.weight.shape[0]) or not out.is_contiguous():
+            raise ValueError(f"out: a contiguous {(x.shape[0], self.weight.shape[0])} tensor "
+                             f"is needed, got {tuple(out.shape)}")
+        if kernel:
+            return kernel(x, self.weight, out=out)
+        return torch.matmul(x, self.weight.t(), out=out)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`out += x @ W.T` in place, the sum rounded once: a sub-layer's output
@@ -295,7 +303,9 @@ class Qwen3Attention(nn.Module):
         rows of `qkv` are scaled by its `1 / rms` before anything else.
         """
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        # Piecewise CUDA graphs give every layer the same buffer to write into.
+        qkv_out = getattr(attn_metadata, "qkv_out", None)
+        qkv = self.qkv_proj(x, None if qkv_out is None else qkv_out[:t])  # [T, q + 2 kv]
         kv_written = False
         if self.use_kernels:  # norms + RoPE of every q and k head: one launch, in place
             cos_sin_cache, positions = rope

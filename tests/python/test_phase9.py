@@ -166,6 +166,24 @@ def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, b
     assert calls == [{"seq_order": None, **ring}]
 
 
+def test_linear_writes_into_a_given_buffer() -> None:
+    """The piecewise graphs' QKV buffer: `Linear(x, out)` fills `out` and returns it,
+    and refuses a buffer of the wrong shape or layout instead of resizing it."""
+    from mini_vllm.models.qwen3 import Linear
+
+    lin = Linear(8, [4, 4])
+    lin.weight.normal_()
+    x = torch.randn(3, 8)
+    out = torch.full((5, 8), float("nan"))[:3]
+    y = lin(x, out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, lin.weight))
+    with pytest.raises(ValueError, match=r"out: a contiguous \(3, 8\) tensor"):
+        lin(x, torch.empty(3, 7))
+    with pytest.raises(ValueError, match="out: a contiguous"):
+        lin(x, torch.empty(8, 3).t())
+
+
 def test_piecewise_graphs_cover_every_step_on_a_large_gpu(tiny_model_dir: Path) -> None:
     """Without `max_piecewise_graph_tokens` the graphs reach the step budget (up to
     8,192 tokens) on a GPU of 64 GiB or more and 512 tokens below it; a value given is

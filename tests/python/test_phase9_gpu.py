@@ -149,7 +149,8 @@ def test_piecewise_layout_matches_reference_on_cpu(
     ref, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
     cfg = fast.model_config
     pieces = PiecewiseGraphRunner(fast.model, fast.kv_caches, piecewise_sizes(64),
-                                  cfg.num_attention_heads, cfg.head_dim, fast.dtype, fast.device)
+                                  cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                  fast.dtype, fast.device)
     fast.piecewise_runner = pieces
     runs: list[tuple[int, int]] = []  # (padded size, real tokens) of each step
     run = pieces.run
@@ -160,6 +161,11 @@ def test_piecewise_layout_matches_reference_on_cpu(
         return run(token_inputs, meta, num_tokens, token_fixes)
 
     monkeypatch.setattr(pieces, "run", spy)
+    # Every layer's QKV projection writes into the runner's one buffer.
+    qkv_ptrs: set[int] = set()
+    for layer in fast.model.model.layers:
+        layer.self_attn.qkv_proj.register_forward_hook(
+            lambda module, args, out: qkv_ptrs.add(out.data_ptr()))
     prompts = random_prompts([5, 12, 1, 23, 9], ref.vocab_size)
     ref_seqs, ref_steps = greedy_run(ref, prompts, 9)
     for from_device in (False, True):
@@ -171,6 +177,9 @@ def test_piecewise_layout_matches_reference_on_cpu(
         # 45 prompt tokens in 64 rows, then 5 + 4 in 16, then decodes of 4 and 3 in 16.
         assert runs[:2] == [(64, 45), (16, 9)]
         assert len(runs) == 11 and {size for size, _ in runs[2:]} == {16}
+    assert pieces.qkv_out.data_ptr() in qkv_ptrs
+    assert pieces.qkv_out.shape == (64, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+                                    * cfg.head_dim)
 
 
 def test_piecewise_sizes() -> None:
