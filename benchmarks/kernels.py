@@ -42,6 +42,9 @@ contiguous K/V at the bar's shapes, with blocks of 16 to 128 tokens handed out
 in random order), ``v7layout`` (version 7 over the token-major cache and
 over the same cache stored head-major, one head's rows of a block contiguous,
 against SDPA on contiguous K/V at the bar's shapes, blocks of 16 and 64),
+``v7wave`` (version 7 at one warp a CTA, 2 to 4 stages, against its default
+ring and SDPA on contiguous K/V at the bar's shapes: at 3 stages eight CTAs fit
+an H200 SM, so 128 sequences' grid runs as one wave),
 ``v8`` (version 8, version 7's tiles cut evenly over a persistent
 grid, against version 7 and SDPA on contiguous K/V), ``v9`` (version 9, version
 7's tiles copied by the TMA, against version 7 and SDPA on contiguous K/V, at
@@ -851,6 +854,14 @@ def run(args: argparse.Namespace) -> dict:
             str(bs): v7_bar_report([r for r in result["v7blocks"] if r["block_size"] == bs])
             for bs in V7_BLOCK_SIZES}
         save()
+    if "v7wave" in tables:
+        print("v7wave: version 7 at one warp a CTA (8 CTAs an SM at 3 stages: 1,024 CTAs in "
+              "one wave) vs the wrapper's ring and SDPA, contiguous (the bar's shapes)")
+        variants = {"ours_v7": {"version": 7}} | {
+            f"ours_v7_w1s{st}": {"version": 7, "unroll": 1, "stages": st} for st in (2, 3, 4)}
+        result["v7wave"] = bench_decode(pipeline_shapes()[:12], [*variants, "sdpa_contig"],
+                                        copy_bw, device, variants=variants)
+        save()
     if "v7layout" in tables:
         print("v7layout: version 7 over a token-major and a head-major cache vs SDPA, "
               "contiguous (the bar's shapes)")
@@ -1138,6 +1149,12 @@ def report(path: Path) -> None:
         print_by_block_size(d["v7layout"], "**v7layout** (16/8 heads, blocks in random order; "
                             "each cell: v7 over the token-major cache / over the head-major "
                             "cache / SDPA on contiguous K/V, µs per call)", layouts)
+    if d.get("v7wave"):
+        print_paths_table(
+            d["v7wave"], "**v7wave** (16/8 heads, block 16; v7 as the wrapper picks its "
+            "ring, then one warp a CTA at 2 to 4 stages, and SDPA on contiguous K/V; µs "
+            "per call)", {"batch × context": lambda r: f"{r['batch']} × {r['context']}"},
+            "{us:.1f}")
     for new in ("v8", "v9"):
         if d.get(new):
             print_versus(d[new], f"ours_{new}", "ours_v7", new)

@@ -234,6 +234,8 @@ V7Kernel select_v7_kernel(int warps, int stages, bool many_waves) {
                 (GROUP == 2 || GROUP == 4)) {
 #define MINI_VLLM_V7_TUNABLE(W, S) \
   if (w == W && s == S) return v7_kernel<T, HEAD_DIM, GROUP, W, S>();
+    MINI_VLLM_V7_TUNABLE(1, 2)
+    MINI_VLLM_V7_TUNABLE(1, 3)
     MINI_VLLM_V7_TUNABLE(1, 4)
     MINI_VLLM_V7_TUNABLE(2, 2)
     MINI_VLLM_V7_TUNABLE(2, 4)
