@@ -42,6 +42,9 @@ contiguous K/V at the bar's shapes, with blocks of 16 to 128 tokens handed out
 in random order), ``v7layout`` (version 7 over the token-major cache and
 over the same cache stored head-major, one head's rows of a block contiguous,
 against SDPA on contiguous K/V at the bar's shapes, blocks of 16 and 64),
+``v7order`` (version 7 over the token-major and the head-major cache with the
+blocks handed out in order and scattered, against SDPA on contiguous K/V, at
+the bar's 128-sequence shapes and 64 and 256 x 4096),
 ``v7wave`` (version 7 at one warp a CTA, 2 to 4 stages, against its default
 ring and SDPA on contiguous K/V at the bar's shapes: at 3 stages eight CTAs fit
 an H200 SM, so 128 sequences' grid runs as one wave),
@@ -862,6 +865,22 @@ def run(args: argparse.Namespace) -> dict:
         result["v7wave"] = bench_decode(pipeline_shapes()[:12], [*variants, "sdpa_contig"],
                                         copy_bw, device, variants=variants)
         save()
+    if "v7order" in tables:
+        print("v7order: version 7 over blocks handed out in order and scattered, token-major "
+              "and head-major, vs SDPA, contiguous (the bar's 128-sequence shapes, 64 and 256 "
+              "x 4096)")
+        variants = {"ours_v7": {"version": 7}, "ours_v7_head_major": {"version": 7,
+                                                                      "head_major": True}}
+        shapes = [(b, c, 16, 16, 8) for b, c in ((64, 4096), (128, 1024), (128, 2048),
+                                                 (128, 4096), (128, 8192), (256, 4096))]
+        result["v7order"] = []
+        for scattered in (False, True):
+            rows = bench_decode(shapes, [*variants, "sdpa_contig"], copy_bw, device,
+                                variants=variants, scattered=scattered)
+            for r in rows:
+                r["scattered"] = scattered
+            result["v7order"] += rows
+        save()
     if "v7layout" in tables:
         print("v7layout: version 7 over a token-major and a head-major cache vs SDPA, "
               "contiguous (the bar's shapes)")
@@ -1149,6 +1168,12 @@ def report(path: Path) -> None:
         print_by_block_size(d["v7layout"], "**v7layout** (16/8 heads, blocks in random order; "
                             "each cell: v7 over the token-major cache / over the head-major "
                             "cache / SDPA on contiguous K/V, µs per call)", layouts)
+    if d.get("v7order"):
+        print_paths_table(
+            d["v7order"], "**v7order** (16/8 heads, block 16; v7 over the token-major and "
+            "the head-major cache, and SDPA on contiguous K/V; µs per call)",
+            {"batch × context": lambda r: f"{r['batch']} × {r['context']}",
+             "blocks": lambda r: "scattered" if r["scattered"] else "in order"}, "{us:.1f}")
     if d.get("v7wave"):
         print_paths_table(
             d["v7wave"], "**v7wave** (16/8 heads, block 16; v7 as the wrapper picks its "
