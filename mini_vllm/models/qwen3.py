@@ -94,9 +94,11 @@ class Linear(nn.Module):
         kernel = self._kernel(x)
         if out is None:
             return kernel(x, self.weight) if kernel else F.linear(x, self.weight)
-        if out.shape != (x.shape[0], self.weight.shape[0]) or not out.is_contiguous():
-            raise ValueError(f"out: a contiguous {(x.shape[0], self.weight.shape[0])} tensor "
-                             f"is needed, got {tuple(out.shape)}")
+        want = (x.shape[0], self.weight.shape[0])
+        if out.shape != want:
+            raise ValueError(f"out: shape {tuple(out.shape)}, the product is {want}")
+        if not out.is_contiguous():
+            raise ValueError("out: must be contiguous (the product writes it row by row)")
         if kernel:
             return kernel(x, self.weight, out=out)
         return torch.matmul(x, self.weight.t(), out=out)
