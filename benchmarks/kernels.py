@@ -423,13 +423,17 @@ GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
                "Qwen3-8B": GEMV_SHAPES["Qwen3-8B"][:2] + GEMV_SHAPES["Qwen3-8B"][3:4]}
 
 
+def engine_product(x: torch.Tensor, weight: torch.Tensor, **kw: object) -> torch.Tensor:
+    """Our kernel for a decode step's product as the engine picks it by rows: the GEMV
+    up to 16 rows, `gemm_wgmma` above (the model sends 129 or more rows to cuBLAS)."""
+    return (ops.gemv if x.shape[0] <= GEMV_MAX_ROWS else gemm_wgmma)(x, weight, **kw)
+
+
 # --8<-- [start:bench_gemv]
 def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEMV_ROWS,
                shapes: dict[str, list[tuple[str, int, int]]] | None = None,
                check: bool = True, product: Callable[..., torch.Tensor] = ops.gemv,
-               variants: dict[str, dict] | None = None,
-               products: Callable[[int], Callable[..., torch.Tensor]] | None = None,
-               from_l2: bool = False) -> list[dict]:
+               variants: dict[str, dict] | None = None, from_l2: bool = False) -> list[dict]:
     """Our skinny GEMM (`product`: `ops.gemv`, or `gemm_wgmma` for the gemm table)
     against `F.linear` (cuBLAS) at every shape and row count.
 
@@ -438,8 +442,7 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
     weights rotate through enough copies to defeat the L2, as the decode
     table's K/V do; the calls are replayed from a CUDA graph. `variants`
     adds paths `ours_<name>` that pass extra keyword arguments (e.g. splits).
-    `products` picks our kernel by row count instead of `product`. `from_l2`
-    adds `ours_l2` and `cublas_l2`: every call multiplies by the same weight,
+    `from_l2` adds `ours_l2` and `cublas_l2`: every call multiplies by the same weight,
     which then stays in the L2, so they time the product with its weight read
     from the L2 rather than from HBM.
     """
@@ -457,20 +460,18 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
                 row = {"model": model, "layer": layer, "k": k, "n": n, "rows": m,
                        "bytes": moved, "rotations": rotations, "paths": {}}
                 ref = (xs[0].double() @ weights[0].double().T) if check else None
-                ours = products(m) if products else product
                 paths: dict[str, list[Callable[[], object]]] = {
-                    "ours": [lambda x=x, w=w, o=o, f=ours: f(x, w, out=o)
+                    "ours": [lambda x=x, w=w, o=o: product(x, w, out=o)
                              for x, w, o in zip(xs, weights, outs)],
                     "cublas": [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
                 }
                 if from_l2:  # the same weight every call: after the first, it is in the L2
-                    paths["ours_l2"] = [lambda x=x, o=o, f=ours, w=weights[0]: f(x, w, out=o)
+                    paths["ours_l2"] = [lambda x=x, o=o, w=weights[0]: product(x, w, out=o)
                                         for x, o in zip(xs, outs)]
                     paths["cublas_l2"] = [lambda x=x, w=weights[0]: F.linear(x, w) for x in xs]
                 for name, kw in (variants or {}).items():
-                    paths[f"ours_{name}"] = [
-                        lambda x=x, w=w, o=o, kw=kw, f=ours: f(x, w, out=o, **kw)
-                        for x, w, o in zip(xs, weights, outs)]
+                    paths[f"ours_{name}"] = [lambda x=x, w=w, o=o, kw=kw: product(x, w, out=o, **kw)
+                                             for x, w, o in zip(xs, weights, outs)]
                 for path, calls in paths.items():
                     try:
                         err = None
@@ -721,6 +722,18 @@ def v8_shapes() -> list[tuple[int, int, int, int, int]]:
 V9_DEPTHS = ((2, 2), (2, 4), (4, 3))
 
 
+def bench_in_order_and_scattered(shapes: list[tuple[int, int, int, int, int]],
+                                 paths: list[str], copy_bw: float, device: torch.device,
+                                 **kw: object) -> list[dict]:
+    """`bench_decode` with the blocks handed out in order, then scattered; each row
+    says which (`scattered`)."""
+    rows = []
+    for scattered in (False, True):
+        for r in bench_decode(shapes, paths, copy_bw, device, scattered=scattered, **kw):
+            rows.append(r | {"scattered": scattered})
+    return rows
+
+
 def ring_variants(version: int, depths: tuple[tuple[int, int], ...]) -> dict[str, dict]:
     """`ours_v{version}` as the wrapper picks its ring, then at each (warps, stages)."""
     return {f"ours_v{version}": {"version": version}} | {
@@ -873,13 +886,8 @@ def run(args: argparse.Namespace) -> dict:
                                                                       "head_major": True}}
         shapes = [(b, c, 16, 16, 8) for b, c in ((64, 4096), (128, 1024), (128, 2048),
                                                  (128, 4096), (128, 8192), (256, 4096))]
-        result["v7order"] = []
-        for scattered in (False, True):
-            rows = bench_decode(shapes, [*variants, "sdpa_contig"], copy_bw, device,
-                                variants=variants, scattered=scattered)
-            for r in rows:
-                r["scattered"] = scattered
-            result["v7order"] += rows
+        result["v7order"] = bench_in_order_and_scattered(
+            shapes, [*variants, "sdpa_contig"], copy_bw, device, variants=variants)
         save()
     if "v7layout" in tables:
         print("v7layout: version 7 over a token-major and a head-major cache vs SDPA, "
@@ -912,14 +920,9 @@ def run(args: argparse.Namespace) -> dict:
     others = {f"ours_v{v}": {"version": v} for v in (5, 6, 7) if v != args.version}
     if "layout" in tables:
         print("layout: one KV head, blocks in order (SDPA's byte order) vs scattered")
-        result["layout"] = []
-        for scattered in (False, True):
-            rows = bench_decode([(512, 4096, 16, 2, 1), (2048, 1024, 16, 2, 1)],
-                                ["ours", *others, "sdpa_contig"], copy_bw, device,
-                                ours_kw=ours_kw, variants=others, scattered=scattered)
-            for r in rows:
-                r["scattered"] = scattered
-            result["layout"] += rows
+        result["layout"] = bench_in_order_and_scattered(
+            [(512, 4096, 16, 2, 1), (2048, 1024, 16, 2, 1)], ["ours", *others, "sdpa_contig"],
+            copy_bw, device, ours_kw=ours_kw, variants=others)
         save()
     torch_paths = ["ours", *others, "gather_sdpa", "sdpa_contig", "flex_contig"]
     if "main" in tables:
@@ -1008,7 +1011,7 @@ def run(args: argparse.Namespace) -> dict:
               "and with cuBLAS, the weight read from HBM and from the L2, bf16")
         result["gemm_l2"] = bench_gemv(
             copy_bw, device, rows=GEMM_L2_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
-            products=lambda m: ops.gemv if m <= GEMV_MAX_ROWS else gemm_wgmma, from_l2=True)
+            product=engine_product, from_l2=True)
         save()
     if "gemm_plans" in tables:
         print(f"gemm_plans: gemm_wgmma at every plan (tile width x rows per CTA x splits), "
