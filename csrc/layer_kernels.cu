@@ -23,22 +23,13 @@
 // reduction differs, so outputs match the reference to within one rounding.
 #include <algorithm>
 
-// --8<-- [start:rounding]
 #include "common.cuh"
 #include "layer_params.h"
 #include "pdl.cuh"
+#include "silu_mul.cuh"  // round_to, inv_rms, silu_mul
 
 namespace mini_vllm {
 namespace {
-
-// --8<-- [start:round_to]
-// Round a float to the storage type and back: what one eager torch op does.
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return TypeTraits<T>::to_float(TypeTraits<T>::from_float(x));
-}
-// --8<-- [end:round_to]
-// --8<-- [end:rounding]
 
 template <typename T>
 __device__ __forceinline__ void pack8(const float (&f)[8], uint4& v) {
@@ -60,7 +51,7 @@ __device__ __forceinline__ float row_inv_rms(const T* __restrict__ r, int hidden
 #pragma unroll
     for (int j = 0; j < 8; ++j) sumsq += v[j] * v[j];
   }
-  return rsqrtf(block_sum(sumsq, scratch) / hidden + eps);
+  return inv_rms(block_sum(sumsq, scratch), hidden, eps);
 }
 // --8<-- [end:row_inv_rms]
 
@@ -299,13 +290,7 @@ __global__ void __launch_bounds__(1024) silu_and_mul_kernel(T* __restrict__ out,
     unpack8<T>(gate, g);
     unpack8<T>(up, u);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if constexpr (SCALED) {
-        g[j] = round_to<T>(g[j] * scale);
-        u[j] = round_to<T>(u[j] * scale);
-      }
-      y[j] = round_to<T>(g[j] / (1.f + __expf(-g[j]))) * u[j];
-    }
+    for (int j = 0; j < 8; ++j) y[j] = silu_mul<T, SCALED>(g[j], u[j], scale);
     uint4 packed;
     pack8<T>(y, packed);
     *reinterpret_cast<uint4*>(out + row * d + c) = packed;
