@@ -29,12 +29,20 @@
 //     registers, each taking every other block of 64 rows of x, and hand a
 //     stage back on its "empty" mbarrier once the products of the next one
 //     are under way.
+//   - With SILU (GemvParams::silu_mul) the product is gate_up_proj's and the
+//     epilogue applies SiLU · mul: a tile's W is half gate rows, half the
+//     same up rows (two TMA boxes), and the row scale of the folded norm,
+//     1 / rms(x), comes from x xᵀ, each block of x multiplied by itself on
+//     the tensor cores beside the product (its diagonal holds the rows' sums
+//     of squares): no extra read of x, no extra instruction between a stage's
+//     arrival and its products.
 #include <algorithm>
 #include <string>
 
 #include "common.cuh"
 #include "gemv_params.h"
 #include "pdl.cuh"
+#include "silu_mul.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -65,7 +73,8 @@ struct Layout {
   static constexpr int kDataBytes = kRingBytes > kPartBytes ? kRingBytes : kPartBytes;
   // The swizzle is applied to shared addresses: stages start on 1,024 bytes.
   // Room for 16 barriers whatever the stages, so every layout takes the same.
-  static constexpr size_t kSmemBytes = 1024 + 192 * 1024 + 2 * 8 * kMaxStages;
+  // Then one float per row of x (SILU: the rows' sums of squares).
+  static constexpr size_t kSmemBytes = 1024 + 192 * 1024 + 2 * 8 * kMaxStages + 4 * 256;
   static_assert(kDataBytes <= 192 * 1024);
 };
 
@@ -98,6 +107,27 @@ struct Layout {
 #endif
   return v;
 }
+
+// The four floats at `addr` summed over the first `splits` ranks of the
+// cluster, in rank order; every rank's loads are issued before the first add.
+[[maybe_unused]] __device__ __forceinline__ float4 sum_over_ranks(uint32_t addr, int splits) {
+  float4 part[kMaxSplits];
+#pragma unroll
+  for (int r = 0; r < kMaxSplits; ++r) {
+    if (r < splits) part[r] = load_remote_f4(addr, r);
+  }
+  float4 sum = part[0];
+#pragma unroll
+  for (int r = 1; r < kMaxSplits; ++r) {
+    if (r < splits) {
+      sum.x += part[r].x;
+      sum.y += part[r].y;
+      sum.z += part[r].z;
+      sum.w += part[r].w;
+    }
+  }
+  return sum;
+}
 // --8<-- [end:cluster]
 
 template <typename T>
@@ -113,12 +143,37 @@ __device__ __forceinline__ void store_pair(T* y, float a, float b, bool accumula
   *reinterpret_cast<Pair*>(y) = Pair{TypeTraits<T>::from_float(a), TypeTraits<T>::from_float(b)};
 }
 
+// --8<-- [start:silu_sumsq]
+// SILU: each row's sum of squares of x, from the accumulators of x xᵀ (the
+// block of 64 rows multiplied by itself on the tensor cores, beside the main
+// product): row r's sum is the diagonal element (r, r). The thread that holds
+// it (wgmma_m64k16's layout) stores it to `sumsq[r]`; every index into the
+// accumulators is a constant, so they stay in registers.
+__device__ __forceinline__ void store_diagonal(const float (&xxt)[32], float* sumsq) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = 16 * warp + lane / 4 + 8 * half, col = 8 * j + 2 * (lane % 4) + e;
+        if (row == col) sumsq[row] = xxt[4 * j + 2 * half + e];
+      }
+    }
+  }
+}
+// --8<-- [end:silu_sumsq]
+
 // --8<-- [start:kernel]
-template <typename T, int BLOCKS_PER_WG, int BN>
+// SILU: W is gate_up_proj's [gate; up] (N = 2 d rows) and x the residual
+// stream; a CTA's tile holds BN / 2 rows of gate and the same rows of up, and
+// it writes silu(s gate) * (s up), s = 1 / rms(x's row), as y [m, d].
+template <typename T, int BLOCKS_PER_WG, int BN, bool SILU>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map, T* __restrict__ y, int m, int n,
-                      int chunks_per_split, int num_chunks, bool accumulate) {
+                      int chunks_per_split, int num_chunks, bool accumulate, float eps) {
 #ifdef MINI_VLLM_WGMMA
   using L = Layout<BLOCKS_PER_WG, BN>;
   constexpr int kStages = L::kStages;
@@ -128,6 +183,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
   const uint32_t empty = full + kStages * 8;   // both consumers are done with it
+  // SILU: the sums of squares of x's rows, past the barriers (the split's
+  // partial tile reuses the ring, not this).
+  float* const row_sumsq = reinterpret_cast<float*>(
+      smem_raw + (ring - smem_u32(smem_raw)) + L::kDataBytes + 2 * 8 * kMaxStages);
   // The same in every lane (the shuffle tells the compiler so): branches on it
   // do not diverge within a warpgroup, and its wgmma's stay asynchronous.
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
@@ -141,6 +200,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Every CTA copies the same box of rows (the TMA fills rows past m with zeros).
   const uint32_t stage_bytes = kWTileBytes + min((m + 63) / 64, L::kXBlocks) * kXBlockBytes;
   auto stage = [&](int s) { return ring + s * L::kStageBytes; };
+  // W's tile of slice c into stage s: BN rows from n0, or (SILU) BN / 2 rows
+  // of gate and the same rows of up, one under the other.
+  auto load_w = [&](int s, int c) {
+    if constexpr (SILU) {
+      const int row0 = blockIdx.x * (BN / 2);
+      tma_load_2d(stage(s), &w_map, full + 8 * s, c * kBK, row0);
+      tma_load_2d(stage(s) + kWTileBytes / 2, &w_map, full + 8 * s, c * kBK, n / 2 + row0);
+    } else {
+      tma_load_2d(stage(s), &w_map, full + 8 * s, c * kBK, n0);
+    }
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -152,13 +222,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   float acc[BLOCKS_PER_WG][BN / 2];
+  // SILU: x xᵀ of each of this warpgroup's blocks of rows, for the rows' sums of squares.
+  float xxt[BLOCKS_PER_WG][SILU ? 32 : 1];
+  // Where this thread's accumulators sit in the tile (see wgmma_m64k16).
+  const int lane = threadIdx.x % 32;
+  const int row_in_block = (threadIdx.x / 32) % 4 * 16 + lane / 4;
+  const int col_in_pair = 2 * (lane % 4);
   if (warpgroup == 0) {
     // The producer: one thread issues every copy.
     if (threadIdx.x == 0) {
       const int first = min(chunks, kStages);
       for (int s = 0; s < first; ++s) {
         mbarrier_arrive_expect_tx(full + 8 * s, stage_bytes);
-        tma_load_2d(stage(s), &w_map, full + 8 * s, (c_begin + s) * kBK, n0);
+        load_w(s, c_begin + s);
       }
       pdl_wait();  // x is the previous kernel's output
       for (int s = 0; s < first; ++s) {
@@ -168,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = c % kStages;
         mbarrier_wait(empty + 8 * s, (c / kStages - 1) & 1);
         mbarrier_arrive_expect_tx(full + 8 * s, stage_bytes);
-        tma_load_2d(stage(s), &w_map, full + 8 * s, (c_begin + c) * kBK, n0);
+        load_w(s, c_begin + c);
         tma_load_2d(stage(s) + kWTileBytes, &x_map, full + 8 * s, (c_begin + c) * kBK, m0);
       }
     }
@@ -180,6 +256,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BLOCKS_PER_WG; ++i)
 #pragma unroll
       for (int r = 0; r < BN / 2; ++r) acc[i][r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BLOCKS_PER_WG; ++i)
+#pragma unroll
+      for (int r = 0; r < (SILU ? 32 : 1); ++r) xxt[i][r] = 0.f;
     pdl_wait();  // the epilogue may read y
     for (int c = 0; c < chunks; ++c) {
       const int s = c % kStages;
@@ -187,7 +267,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t w_tile = stage(s);
       const uint32_t x_tile = w_tile + kWTileBytes;
 #pragma unroll
-      for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
+      for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+        wgmma_fence_operands(acc[i]);
+        if constexpr (SILU) wgmma_fence_operands(xxt[i]);
+      }
       wgmma_fence();
 #pragma unroll
       for (int k16 = 0; k16 < kBK / 16; ++k16) {
@@ -198,8 +281,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < BLOCKS_PER_WG; ++i) {
           const int blk = wg + kConsumers * i;
-          wgmma_m64k16<T, BN>(acc[i], wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16),
-                              desc_w);
+          const uint64_t desc_x = wgmma_desc(x_tile + blk * kXBlockBytes + 32 * k16);
+          wgmma_m64k16<T, BN>(acc[i], desc_x, desc_w);
+          // SILU: the block times itself, x xᵀ, whose diagonal is each row's sum of squares.
+          if constexpr (SILU) wgmma_m64k16<T, 64>(xxt[i], desc_x, desc_x);
         }
       }
       wgmma_commit();
@@ -207,20 +292,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       // the tensor cores never wait on the hand-over between two stages.
       wgmma_wait<1>();
 #pragma unroll
-      for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
+      for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+        wgmma_fence_operands(acc[i]);
+        if constexpr (SILU) wgmma_fence_operands(xxt[i]);
+      }
       if (c > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(empty + 8 * ((c - 1) % kStages));
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < BLOCKS_PER_WG; ++i) wgmma_fence_operands(acc[i]);
+    for (int i = 0; i < BLOCKS_PER_WG; ++i) {
+      wgmma_fence_operands(acc[i]);
+      if constexpr (SILU) {
+        wgmma_fence_operands(xxt[i]);
+        store_diagonal(xxt[i], row_sumsq + (wg + kConsumers * i) * 64);
+      }
+    }
+    // SILU: this warpgroup's rows' sums are in row_sumsq (barrier 2 or 3: its own).
+    if constexpr (SILU) asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
   }
   pdl_launch_dependents();
 
-  // Where this thread's accumulators sit in the tile (see wgmma_m64k16).
-  const int lane = threadIdx.x % 32;
-  const int row_in_block = (threadIdx.x / 32) % 4 * 16 + lane / 4;
-  const int col_in_pair = 2 * (lane % 4);
-  T* const y_tile = y + static_cast<int64_t>(m0) * n + n0;
+  // SILU writes BN / 2 outputs a tile into rows of n / 2.
+  const int y_cols = SILU ? n / 2 : n;
+  T* const y_tile = y + static_cast<int64_t>(m0) * y_cols + (SILU ? n0 / 2 : n0);
+  const int hidden = num_chunks * kBK;  // SILU: x's row length, for its rms
 
   if (splits == 1) {
     if (warpgroup == 0) return;
@@ -231,11 +326,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         const int row = blk * 64 + row_in_block + 8 * half;
         if (row >= m_cta) continue;
-        T* y_row = y_tile + static_cast<int64_t>(row) * n + col_in_pair;
+        T* y_row = y_tile + static_cast<int64_t>(row) * y_cols + col_in_pair;
+        if constexpr (SILU) {
+          // Gate's columns are the tile's first BN / 2, up's the next: the
+          // same thread holds column c of both (groups j and j + BN / 16).
+          const float scale = inv_rms(row_sumsq[row], hidden, eps);
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          store_pair(y_row + 8 * j, acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1],
-                     accumulate);
+          for (int j = 0; j < BN / 16; ++j) {
+            const float* g = &acc[i][4 * j + 2 * half];
+            const float* u = &acc[i][4 * (j + BN / 16) + 2 * half];
+            store_pair(y_row + 8 * j,
+                       silu_mul<T, true>(round_to<T>(g[0]), round_to<T>(u[0]), scale),
+                       silu_mul<T, true>(round_to<T>(g[1]), round_to<T>(u[1]), scale), false);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            store_pair(y_row + 8 * j, acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1],
+                       accumulate);
+          }
         }
       }
     }
@@ -259,6 +368,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           *reinterpret_cast<float2*>(p + 8 * j) =
               make_float2(acc[i][4 * j + 2 * half], acc[i][4 * j + 2 * half + 1]);
         }
+        // SILU: the row's partial sum of squares in its padding (lane % 4 == 0: p is
+        // the row's first column).
+        if (SILU && lane % 4 == 0) p[BN] = row_sumsq[blk * 64 + row_in_block + 8 * half];
       }
     }
   }
@@ -267,29 +379,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   // tile over all of them, in rank order, four columns per thread.
   const int rows = (m_cta + splits - 1) / splits;
   const int row0 = split * rows;
-  const int items = max(0, min(m_cta, row0 + rows) - row0) * (BN / 4);
+  constexpr int kOutCols = SILU ? BN / 2 : BN;  // outputs of a row of the tile
+  const int items = max(0, min(m_cta, row0 + rows) - row0) * (kOutCols / 4);
   for (int it = threadIdx.x; it < items; it += kThreads) {
-    const int row = row0 + it / (BN / 4);
-    const int col = it % (BN / 4) * 4;
+    const int row = row0 + it / (kOutCols / 4);
+    const int col = it % (kOutCols / 4) * 4;
     const uint32_t addr = ring + (row * kPartStride + col) * 4;
-    float4 part[kMaxSplits];  // every rank's loads issued before the first add
-#pragma unroll
-    for (int r = 0; r < kMaxSplits; ++r) {
-      if (r < splits) part[r] = load_remote_f4(addr, r);
+    if constexpr (SILU) {
+      // Gate's four columns, up's four (BN / 2 further) and the row's sum of squares.
+      const float4 g = sum_over_ranks(addr, splits);
+      const float4 u = sum_over_ranks(addr + BN / 2 * 4, splits);
+      const float scale =
+          inv_rms(sum_over_ranks(ring + (row * kPartStride + BN) * 4, splits).x, hidden, eps);
+      auto out = [&](float gv, float uv) {
+        return silu_mul<T, true>(round_to<T>(gv), round_to<T>(uv), scale);
+      };
+      T* y_out = y_tile + static_cast<int64_t>(row) * y_cols + col;
+      store_pair(y_out, out(g.x, u.x), out(g.y, u.y), false);
+      store_pair(y_out + 2, out(g.z, u.z), out(g.w, u.w), false);
+    } else {
+      const float4 sum = sum_over_ranks(addr, splits);
+      T* out = y_tile + static_cast<int64_t>(row) * y_cols + col;
+      store_pair(out, sum.x, sum.y, accumulate);
+      store_pair(out + 2, sum.z, sum.w, accumulate);
     }
-    float4 sum = part[0];
-#pragma unroll
-    for (int r = 1; r < kMaxSplits; ++r) {
-      if (r < splits) {
-        sum.x += part[r].x;
-        sum.y += part[r].y;
-        sum.z += part[r].z;
-        sum.w += part[r].w;
-      }
-    }
-    T* out = y_tile + static_cast<int64_t>(row) * n + col;
-    store_pair(out, sum.x, sum.y, accumulate);
-    store_pair(out + 2, sum.z, sum.w, accumulate);
   }
   cluster_sync();  // no CTA leaves while another still reads its tile
 #else
@@ -366,9 +479,10 @@ Plan choose_plan(const void* kernel, size_t smem, int m, int n, int num_chunks,
 
 // The kernel for 64 * kConsumers * BLOCKS_PER_WG rows per CTA, set up for
 // its shared memory and for clusters of up to 16.
-template <typename T, int BLOCKS_PER_WG, int BN>
+template <typename T, int BLOCKS_PER_WG, int BN, bool SILU>
 const void* prepared_kernel() {
-  const void* kernel = reinterpret_cast<const void*>(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN>);
+  const void* kernel =
+      reinterpret_cast<const void*>(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN, SILU>);
   static const bool large_clusters = [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
                "gemm_wgmma: allow clusters of 16");
@@ -379,10 +493,10 @@ const void* prepared_kernel() {
   return kernel;
 }
 
-template <typename T, int BLOCKS_PER_WG, int BN>
+template <typename T, int BLOCKS_PER_WG, int BN, bool SILU>
 void launch(const GemvParams& p, int splits, cudaStream_t stream) {
   using L = Layout<BLOCKS_PER_WG, BN>;
-  prepared_kernel<T, BLOCKS_PER_WG, BN>();
+  prepared_kernel<T, BLOCKS_PER_WG, BN, SILU>();
   const int tiles = p.n / BN;
   const int num_chunks = p.k / kBK;
   const int per = ceil_div(num_chunks, splits);
@@ -393,29 +507,35 @@ void launch(const GemvParams& p, int splits, cudaStream_t stream) {
   const uint32_t x_box[2] = {kBK, static_cast<uint32_t>(box_rows)};
   const uint64_t w_sizes[2] = {static_cast<uint64_t>(p.k), static_cast<uint64_t>(p.n)};
   const uint64_t w_strides[1] = {static_cast<uint64_t>(p.k) * 2};
-  const uint32_t w_box[2] = {kBK, BN};
+  const uint32_t w_box[2] = {kBK, SILU ? BN / 2 : BN};  // SILU: gate's rows, then up's
   const CUtensorMap x_map = make_tensor_map(p.x, p.dtype, 2, x_sizes, x_strides, x_box);
   const CUtensorMap w_map = make_tensor_map(p.w, p.dtype, 2, w_sizes, w_strides, w_box);
 
-  launch_kernel_in_clusters(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN>,
+  launch_kernel_in_clusters(gemm_wgmma_kernel<T, BLOCKS_PER_WG, BN, SILU>,
                             dim3(tiles, splits, ceil_div(p.m, L::kRows)), dim3(kThreads),
                             dim3(1, splits, 1), L::kSmemBytes, stream, "gemm_wgmma", x_map,
                             w_map, static_cast<T*>(p.y), p.m, p.n, per, num_chunks,
-                            p.accumulate);
+                            p.accumulate, p.silu_eps);
 }
 
-template <typename T>
+template <typename T, bool SILU>
 void dispatch(const GemvParams& p, cudaStream_t stream) {
   // Every layout takes the same shared memory: the same clusters fit at once.
   static_assert(Layout<1, 128>::kSmemBytes == Layout<2, 64>::kSmemBytes);
-  const Plan plan = choose_plan(prepared_kernel<T, 1, 128>(), Layout<1, 128>::kSmemBytes, p.m,
-                                p.n, p.k / kBK, p.rows_per_cta, p.splits, p.tile_n);
-  if (plan.bn == 128) {
-    plan.rows == 128 ? launch<T, 1, 128>(p, plan.splits, stream)
-                     : launch<T, 2, 128>(p, plan.splits, stream);
+  // SILU takes 128 rows a CTA: with 256, x xᵀ's accumulators beside the
+  // product's would not fit in the registers.
+  const Plan plan =
+      choose_plan(prepared_kernel<T, 1, 128, SILU>(), Layout<1, 128>::kSmemBytes, p.m, p.n,
+                  p.k / kBK, SILU ? 128 : p.rows_per_cta, p.splits, p.tile_n);
+  if constexpr (SILU) {
+    plan.bn == 128 ? launch<T, 1, 128, true>(p, plan.splits, stream)
+                   : launch<T, 1, 64, true>(p, plan.splits, stream);
+  } else if (plan.bn == 128) {
+    plan.rows == 128 ? launch<T, 1, 128, false>(p, plan.splits, stream)
+                     : launch<T, 2, 128, false>(p, plan.splits, stream);
   } else {
-    plan.rows == 128 ? launch<T, 1, 64>(p, plan.splits, stream)
-                     : launch<T, 2, 64>(p, plan.splits, stream);
+    plan.rows == 128 ? launch<T, 1, 64, false>(p, plan.splits, stream)
+                     : launch<T, 2, 64, false>(p, plan.splits, stream);
   }
 }
 
@@ -450,10 +570,15 @@ void gemm_wgmma(const GemvParams& p, cudaStream_t stream) {
   if (p.tile_n != 0 && p.tile_n != 64 && p.tile_n != 128) {
     throw std::invalid_argument("gemm_wgmma: tile_n must be 0 (the kernel's choice), 64 or 128");
   }
+  if (p.silu_mul && (p.accumulate || p.rows_per_cta == 256)) {
+    throw std::invalid_argument(
+        "gemm_wgmma: silu_mul writes a new output (no accumulate), 128 rows per CTA");
+  }
   if (p.dtype == DType::kBFloat16) {
-    dispatch<__nv_bfloat16>(p, stream);
+    p.silu_mul ? dispatch<__nv_bfloat16, true>(p, stream)
+               : dispatch<__nv_bfloat16, false>(p, stream);
   } else if (p.dtype == DType::kFloat16) {
-    dispatch<__half>(p, stream);
+    p.silu_mul ? dispatch<__half, true>(p, stream) : dispatch<__half, false>(p, stream);
   } else {
     throw std::invalid_argument("gemm_wgmma: dtype must be float16 or bfloat16");
   }

@@ -22,6 +22,11 @@
 //     shared memory in a fixed order; each output is rounded once, as cuBLAS
 //     rounds it.
 //
+// With SILU (GemvParams::silu_mul) W is gate_up_proj's [gate; up] and the
+// kernel writes silu(s gate) * (s up) itself, s = 1 / rms(x) (the folded
+// norm's row scale): a tile pairs 8 rows of gate with the same 8 rows of up,
+// and each lane adds up the squares of the x it loads anyway.
+//
 // Work layout. A *tile* is 16 consecutive rows of W (output features), the
 // M of one mma. S warps (1 to 16) share a tile, each summing an interleaved
 // slice of K in chunks of 32 elements, kU chunks at a time; a block holds
@@ -32,6 +37,7 @@
 #include "gemv_params.h"
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "silu_mul.cuh"
 
 namespace mini_vllm {
 namespace {
@@ -80,15 +86,19 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& w_lo, cons
 // --8<-- [start:gemv]
 // One tile of 16 rows of W per S warps, times NT column tiles of 8 rows of x
 // (NT mma's share each W fragment). Lane (g, q) = (lane / 4, lane % 4).
-template <typename T, int NT, int S, bool PRELOAD>
+// SILU (GemvParams::silu_mul): W is [gate; up], n = 2 d rows; a tile takes 8
+// rows of gate as its rows 0-7 and the same 8 rows of up as its rows 8-15,
+// and writes silu(s gate) * (s up) for those 8 outputs, s = 1 / rms(x's row).
+template <typename T, int NT, int S, bool PRELOAD, bool SILU>
 __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
     T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w, int m, int n, int k,
-    int64_t x_stride, bool accumulate) {
+    int64_t x_stride, bool accumulate, float eps) {
   constexpr int NW = S > 4 ? S : 4;  // warps per block
   constexpr int G = NW / S;          // tiles per block
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
-  const int row0 = (blockIdx.x * G + warp / S) * kTileRows;  // the tile's first row
+  const int tile = blockIdx.x * G + warp / S;
+  const int row0 = tile * kTileRows;  // the tile's first row (SILU: its first output, 8 tile)
   const int split = warp % S;                                // this warp's slice of K
   const int num_vec = k / 8;                                 // 16-byte vectors per row
   const int num_chunks = (k + kChunk - 1) / kChunk;
@@ -98,6 +108,11 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   // loop needs no branch on them; those outputs are never stored.
   const T* w_lo = w + static_cast<int64_t>(min(row0 + g, n - 1)) * k;
   const T* w_hi = w + static_cast<int64_t>(min(row0 + g + 8, n - 1)) * k;
+  if constexpr (SILU) {  // n / 2 is a multiple of 8; tiles past it (a block's last) read the last
+    const int t = min(tile, n / 16 - 1);
+    w_lo = w + static_cast<int64_t>(8 * t + g) * k;
+    w_hi = w + static_cast<int64_t>(n / 2 + 8 * t + g) * k;
+  }
   const T* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, m - 1) * x_stride;
@@ -141,13 +156,29 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   pdl_launch_dependents();
   pdl_wait();
   float d[NT][4] = {};
+  float sumsq[NT] = {};  // SILU: x row 8 j + g, this lane's elements of it
   for (int c0 = split; c0 < num_chunks; c0 += kU * S) {
     if (!PRELOAD || c0 != split) load_w(c0);
     load_x(c0);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) mma_chunk<T>(d[j], a_lo[u], a_hi[u], b[u][j]);
+      for (int j = 0; j < NT; ++j) {
+        mma_chunk<T>(d[j], a_lo[u], a_hi[u], b[u][j]);
+        if constexpr (SILU) {
+          float f[8];
+          unpack8<T>(b[u][j], f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sumsq[j] += f[e] * f[e];
+        }
+      }
+    }
+  }
+  if constexpr (SILU) {  // the four lanes of a row: the warp's slice of K
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      sumsq[j] += __shfl_xor_sync(0xffffffffu, sumsq[j], 1);
+      sumsq[j] += __shfl_xor_sync(0xffffffffu, sumsq[j], 2);
     }
   }
   // --8<-- [end:gemv_preload]
@@ -157,10 +188,12 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   // fixed order, one column tile at a time (shared memory for one).
   if constexpr (S > 1) {
     __shared__ float4 partial[NW][32];
+    __shared__ float partial_sumsq[SILU ? NW : 1][32];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       if (j > 0) __syncthreads();
       partial[warp][lane] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+      if constexpr (SILU) partial_sumsq[warp][lane] = sumsq[j];
       __syncthreads();
       if (split == 0) {
 #pragma unroll
@@ -170,21 +203,40 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
           d[j][1] += p.y;
           d[j][2] += p.z;
           d[j][3] += p.w;
+          if constexpr (SILU) sumsq[j] += partial_sumsq[warp + s][lane];
         }
       }
     }
     if (split != 0) return;
   }
+  if constexpr (SILU) {
+    // d[j][i] and d[j][i + 2] (i = 0, 1): gate and up of output 8 tile + g for
+    // x row 8 j + 2 q + i, whose sum of squares lane (2 q + i, *) holds.
+    const int d_out = n / 2;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+    for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = row0 + g + (i / 2) * 8, r = 8 * j + 2 * q + i % 2;
-      if (r < m && row < n) {
-        // accumulate: y += x W^T (a residual stream updated in place), one rounding.
-        T* out = y + static_cast<int64_t>(r) * n + row;
-        *out = TypeTraits<T>::from_float(accumulate ? d[j][i] + TypeTraits<T>::to_float(*out)
-                                                    : d[j][i]);
+      for (int i = 0; i < 2; ++i) {
+        const float scale = inv_rms(__shfl_sync(0xffffffffu, sumsq[j], 4 * (2 * q + i)), k, eps);
+        const int r = 8 * j + 2 * q + i;
+        if (r < m && 8 * tile < d_out) {
+          y[static_cast<int64_t>(r) * d_out + 8 * tile + g] = TypeTraits<T>::from_float(
+              silu_mul<T, true>(round_to<T>(d[j][i]), round_to<T>(d[j][i + 2]), scale));
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + g + (i / 2) * 8, r = 8 * j + 2 * q + i % 2;
+        if (r < m && row < n) {
+          // accumulate: y += x W^T (a residual stream updated in place), one rounding.
+          T* out = y + static_cast<int64_t>(r) * n + row;
+          *out = TypeTraits<T>::from_float(accumulate ? d[j][i] + TypeTraits<T>::to_float(*out)
+                                                      : d[j][i]);
+        }
       }
     }
   }
@@ -216,26 +268,34 @@ int choose_splits(int n, int k) {
 // loads take bandwidth from that kernel's last blocks (back-to-back calls of
 // the 0.6B LM head, 9,496 blocks, were slower with them). Qwen3-0.6B's
 // layers are one wave or less.
-template <typename T, int NT, int S>
+template <typename T, int NT, int S, bool SILU>
 void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   constexpr int NW = S > 4 ? S : 4;
+  // SILU: a tile of 8 outputs for 8 rows of gate and 8 of up, the same count.
   const int blocks = ceil_div(ceil_div(p.n, kTileRows), NW / S);
-  const auto early = gemv_kernel<T, NT, S, true>;
+  const auto early = gemv_kernel<T, NT, S, true, SILU>;
   const int wave = resident_blocks_per_sm(reinterpret_cast<const void*>(early), 32 * NW, 0) *
                    device_attribute(cudaDevAttrMultiProcessorCount);
-  launch_kernel(blocks <= wave ? early : gemv_kernel<T, NT, S, false>, dim3(blocks),
+  launch_kernel(blocks <= wave ? early : gemv_kernel<T, NT, S, false, SILU>, dim3(blocks),
                 dim3(32 * NW), 0, stream, "gemv", static_cast<T*>(p.y),
                 static_cast<const T*>(p.x), static_cast<const T*>(p.w), p.m, p.n, p.k,
-                p.x_stride, p.accumulate);
+                p.x_stride, p.accumulate, p.silu_eps);
 }
 // --8<-- [end:gemv_launch]
 
 // Column tiles of 8 rows of x: one up to 8 rows, two up to 16.
 template <typename T, int S>
 void launch_gemv_nt(const GemvParams& p, int nt, cudaStream_t stream) {
+  if (p.silu_mul) {
+    switch (nt) {
+      case 1: return launch_gemv<T, 1, S, true>(p, stream);
+      case 2: return launch_gemv<T, 2, S, true>(p, stream);
+      default: throw std::invalid_argument("gemv: column tiles must be 1 or 2");
+    }
+  }
   switch (nt) {
-    case 1: return launch_gemv<T, 1, S>(p, stream);
-    case 2: return launch_gemv<T, 2, S>(p, stream);
+    case 1: return launch_gemv<T, 1, S, false>(p, stream);
+    case 2: return launch_gemv<T, 2, S, false>(p, stream);
     default: throw std::invalid_argument("gemv: column tiles must be 1 or 2");
   }
 }
@@ -266,6 +326,10 @@ void gemv(const GemvParams& p, cudaStream_t stream) {
   }
   if (p.x_stride % 8 || !aligned16(p.x) || !aligned16(p.w)) {
     throw std::invalid_argument("gemv: x and w must be 16-byte aligned (x's row stride too)");
+  }
+  if (p.silu_mul && (p.n % 16 || p.accumulate)) {
+    throw std::invalid_argument(
+        "gemv: silu_mul needs n a multiple of 16 ([gate; up]) and no accumulate");
   }
   const int nt = p.m <= 8 ? 1 : 2;
   const int splits = p.splits ? p.splits : choose_splits(p.n, p.k);

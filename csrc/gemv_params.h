@@ -42,6 +42,13 @@ struct GemvParams {
   int rows_per_cta = 0;
   // gemm_wgmma only: output features per CTA, 64 or 128; 0: the kernel's choice.
   int tile_n = 0;
+  // w is gate_up_proj's [gate; up] (n = 2 d rows, d a multiple of 8) with the
+  // post-attention norm's weight folded in, and x the residual stream itself:
+  // y [m, d] = silu(s * x @ gate^T) * (s * x @ up^T), s = 1 / sqrt(mean(x^2) +
+  // silu_eps) per row, rounded as silu_and_mul rounds it (layer_params.h).
+  // Not with accumulate.
+  bool silu_mul = false;
+  float silu_eps = 0.f;
 };
 
 void gemv(const GemvParams& p, cudaStream_t stream);

@@ -56,7 +56,9 @@ class Linear(nn.Module):
             sequences) with the skinny-GEMM kernel of `mini_vllm.ops.gemv`
             when it can run them, and the shapes where `gemm_wgmma` beats
             cuBLAS on Hopper (`gemm_wgmma_pays`: up to 128 rows, K up to
-            3,072); cuBLAS (`F.linear`) does everything else.
+            3,072); cuBLAS (`F.linear`) does everything else. On those of
+            our kernels, `silu_and_mul` runs the MLP's activation in the
+            product's epilogue.
     """
 
     def __init__(
@@ -111,6 +113,14 @@ class Linear(nn.Module):
             kernel(x, self.weight, out=out, accumulate=True)
         else:
             out.addmm_(x, self.weight.t())
+
+    def silu_and_mul(self, x: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """`silu(s * gate) * (s * up)` for a `[gate; up]` weight, `s = 1 / rms(x)`
+        per row: the product and the activation in one launch, where one of our
+        kernels takes `x` (`silu_mul_product_ref` says what it computes); None
+        where cuBLAS would multiply, and the caller runs the two apart."""
+        kernel = self._kernel(x)
+        return kernel(x, self.weight, silu_eps=eps) if kernel else None
 # --8<-- [end:linear]
 
 
@@ -363,11 +373,15 @@ class Qwen3MLP(nn.Module):
 
     def forward_folded(self, residual: torch.Tensor, norm_eps: float) -> None:
         """`residual += mlp(norm(residual))`, the norm's weight folded into `gate_up_proj`."""
-        gate_up = self.gate_up_proj(residual)  # rows still to be scaled by 1 / rms(residual)
-        if self.use_kernels:
-            act = layer_ops.silu_and_mul(gate_up, residual, norm_eps)
-        else:
-            act = layer_ops.silu_and_mul_ref(layer_ops.scale_rows_ref(gate_up, residual, norm_eps))
+        # Up to 128 rows on a GPU, our products run SiLU · mul in their epilogue.
+        act = self.gate_up_proj.silu_and_mul(residual, norm_eps) if self.use_kernels else None
+        if act is None:
+            gate_up = self.gate_up_proj(residual)  # rows still to be scaled by 1 / rms(residual)
+            if self.use_kernels:
+                act = layer_ops.silu_and_mul(gate_up, residual, norm_eps)
+            else:
+                act = layer_ops.silu_and_mul_ref(
+                    layer_ops.scale_rows_ref(gate_up, residual, norm_eps))
         self.down_proj.add_to(act, residual)
 # --8<-- [end:mlp]
 

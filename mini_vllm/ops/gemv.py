@@ -23,6 +23,7 @@ from mini_vllm.ops._extension import (
     extension,
     num_sms,
 )
+from mini_vllm.ops.layer_ops import scale_rows_ref, silu_and_mul_ref
 
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 GEMV_MAX_ROWS = 16  # kGemvMaxRows in csrc/gemv_params.h
@@ -36,6 +37,19 @@ GEMM_TILE_N = (0, 64, 128)  # outputs per CTA; 0: the kernel picks
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T`: what `gemv` computes, on any device and dtype."""
     return F.linear(x, weight)
+
+
+# --8<-- [start:silu_mul_product_ref]
+def silu_mul_product_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What `gemv` and `gemm_wgmma` compute with `silu_eps`, on any device and dtype.
+
+    `weight` is gate_up_proj's `[gate; up]` with the post-attention norm's
+    weight folded in and `x` the residual stream: the product's rows, scaled
+    by `1 / rms(x)`, go through `silu(gate) * up`. The model's path without the
+    fused epilogue, op for op (`Qwen3MLP.forward_folded`).
+    """
+    return silu_and_mul_ref(scale_rows_ref(gemv_ref(x, weight), x, eps))
+# --8<-- [end:silu_mul_product_ref]
 
 
 # --8<-- [start:gemv_usable]
@@ -57,7 +71,8 @@ def gemv_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-         splits: int = 0, accumulate: bool = False) -> torch.Tensor:
+         splits: int = 0, accumulate: bool = False,
+         silu_eps: float | None = None) -> torch.Tensor:
     """The CUDA kernel of `gemv_ref` for 1 to 16 rows: `[rows, K] @ [N, K].T -> [rows, N]`.
 
     Products are summed in float32 and each output is rounded once to the
@@ -78,9 +93,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
         accumulate: `out += x @ weight.T` (the sum rounded once, as
             `out.addmm_` rounds it); `out` is then required. The model adds
             `o_proj` and `down_proj` into its residual stream this way.
+        silu_eps: multiply and activate in one launch (`silu_mul_product_ref`):
+            `weight` is gate_up_proj's `[gate; up]` (N a multiple of 16) with the
+            norm's weight folded in, `x` the residual stream, and the result
+            `[rows, N / 2]`; the norm's eps. Not with `accumulate`.
 
     Returns:
-        `out`, or a new [rows, N] tensor.
+        `out`, or a new [rows, N] tensor ([rows, N / 2] with `silu_eps`).
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device, naming the argument.
@@ -88,12 +107,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     if splits not in GEMV_SPLITS:
         raise ValueError(f"splits must be one of {GEMV_SPLITS}, got {splits}")
     out, device = _check_product(x, weight, out, accumulate, max_rows=GEMV_MAX_ROWS,
-                                 k_multiple=8, n_multiple=1, kernel="gemv")
+                                 k_multiple=8, n_multiple=16 if silu_eps is not None else 1,
+                                 kernel="gemv", silu_eps=silu_eps)
     rows, k = x.shape
     n = weight.shape[0]
     extension().gemv(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, n, k, x.stride(0),
                      dtype_code(x.dtype), torch.cuda.current_stream(device).cuda_stream, splits,
-                     accumulate)
+                     accumulate, silu_eps is not None, silu_eps or 0.0)
     return out
 
 
@@ -154,7 +174,7 @@ def gemm_wgmma_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
                splits: int = 0, accumulate: bool = False, rows_per_cta: int = 0,
-               tile_n: int = 0) -> torch.Tensor:
+               tile_n: int = 0, silu_eps: float | None = None) -> torch.Tensor:
     """`x @ weight.T` for 1 to 256 rows on Hopper (TMA + wgmma): decode steps of 17 to 256.
 
     A CTA computes 128 or 64 outputs for 128 rows (or for all 256 in one CTA);
@@ -175,9 +195,12 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         rows_per_cta: rows of x a CTA takes, 128 or 256; 0 lets the kernel
             choose (with `splits`, for tests and tuning).
         tile_n: outputs a CTA takes, 64 or 128; 0 lets the kernel choose.
+        silu_eps: multiply and activate in one launch, as `gemv`'s
+            `silu_eps` does (the result is `[rows, N / 2]`). Not with
+            `accumulate`, nor with `rows_per_cta=256`.
 
     Returns:
-        `out`, or a new [rows, N] tensor.
+        `out`, or a new [rows, N] tensor ([rows, N / 2] with `silu_eps`).
 
     Raises:
         ValueError: on a wrong dtype, shape, layout or device, naming the argument.
@@ -189,8 +212,12 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         raise ValueError(f"rows_per_cta must be one of {GEMM_ROWS_PER_CTA}, got {rows_per_cta}")
     if tile_n not in GEMM_TILE_N:
         raise ValueError(f"tile_n must be one of {GEMM_TILE_N}, got {tile_n}")
+    if silu_eps is not None and rows_per_cta == 256:
+        raise ValueError("rows_per_cta: with silu_eps a CTA takes 128 rows (its registers "
+                         "hold x x^T beside the product)")
     out, device = _check_product(x, weight, out, accumulate, max_rows=GEMM_MAX_ROWS,
-                                 k_multiple=64, n_multiple=128, kernel="gemm_wgmma")
+                                 k_multiple=64, n_multiple=128, kernel="gemm_wgmma",
+                                 silu_eps=silu_eps)
     if _wgmma_tiles_limit(device) == 0:
         raise RuntimeError("gemm_wgmma needs an sm_90 GPU (H100/H200) and the kernels "
                            f"built for sm_90a (`{BUILD_COMMAND}` does so for CUDA_ARCHS 90)")
@@ -198,13 +225,14 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
     extension().gemm_wgmma(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows,
                            weight.shape[0], k, x.stride(0), dtype_code(x.dtype),
                            torch.cuda.current_stream(device).cuda_stream, splits, accumulate,
-                           rows_per_cta, tile_n)
+                           rows_per_cta, tile_n, silu_eps is not None, silu_eps or 0.0)
     return out
 
 
 def _check_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None,
                    accumulate: bool, *, max_rows: int, k_multiple: int, n_multiple: int,
-                   kernel: str) -> tuple[torch.Tensor, torch.device]:
+                   kernel: str, silu_eps: float | None = None
+                   ) -> tuple[torch.Tensor, torch.device]:
     """The checks `gemv` and `gemm_wgmma` share; return (out or a new tensor, device)."""
     check_tensor("x", x, ndim=2, dtypes=GEMV_DTYPES, contiguous=False)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,))
@@ -224,6 +252,13 @@ def _check_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
     if weight.data_ptr() % 16:
         raise ValueError("weight: must be 16-byte aligned")
     tensors = {"x": x, "weight": weight}
+    if silu_eps is not None:
+        if accumulate:
+            raise ValueError("accumulate: silu_eps writes SiLU · mul into a new output, "
+                             "it cannot add into out")
+        if not silu_eps > 0:
+            raise ValueError(f"silu_eps: must be positive, got {silu_eps}")
+        n //= 2  # [gate; up] -> one output per pair
     if accumulate and out is None:
         raise ValueError("out: accumulate=True adds into out, which must be given")
     if out is not None:
@@ -238,4 +273,4 @@ def _check_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
 
 
 __all__ = ["GEMM_MAX_ROWS", "GEMV_DTYPES", "GEMV_MAX_ROWS", "gemm_wgmma", "gemm_wgmma_pays",
-           "gemm_wgmma_usable", "gemv", "gemv_ref", "gemv_usable"]
+           "gemm_wgmma_usable", "gemv", "gemv_ref", "gemv_usable", "silu_mul_product_ref"]

@@ -22,7 +22,9 @@ from mini_vllm.ops.gemv import (
     gemv,
     gemv_ref,
     gemv_usable,
+    silu_mul_product_ref,
 )
+from mini_vllm.ops.layer_ops import silu_and_mul
 
 pytestmark = [pytest.mark.phase9]
 
@@ -92,6 +94,37 @@ def test_wrapper_rejects_bad_arguments():
         gemv(x, w, accumulate=True)
 
 
+def test_silu_mul_product_ref_scales_rows_then_applies_swiglu():
+    """The reference of the fused epilogue: x @ W.T as [gate | up], each row times
+    1 / rms(x), then silu(gate) * up (in float64 but the scale, which the model's
+    path computes in float32)."""
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(10, 16, dtype=torch.float64)
+    s = (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+    gate, up = (x @ w.T * s).chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul_product_ref(x, w, 1e-6), F.silu(gate) * up,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_silu_eps_rejects_bad_arguments():
+    bf16 = {"dtype": torch.bfloat16}
+    x = torch.randn(2, 64, **bf16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemv(x, torch.randn(24, 64, **bf16), silu_eps=1e-6)  # [gate; up] of 12 rows each
+    with pytest.raises(ValueError, match="accumulate: silu_eps"):
+        gemv(x, torch.randn(32, 64, **bf16), out=torch.empty(2, 16, **bf16), accumulate=True,
+             silu_eps=1e-6)
+    with pytest.raises(ValueError, match="silu_eps: must be positive"):
+        gemv(x, torch.randn(32, 64, **bf16), silu_eps=0.0)
+    with pytest.raises(ValueError, match=r"out: shape \(2, 32\) != \(2, 16\)"):
+        gemv(x, torch.randn(32, 64, **bf16), out=torch.empty(2, 32, **bf16), silu_eps=1e-6)
+    with pytest.raises(ValueError, match="accumulate: silu_eps"):
+        gemm_wgmma(torch.randn(20, 128, **bf16), torch.randn(256, 128, **bf16),
+                   out=torch.empty(20, 128, **bf16), accumulate=True, silu_eps=1e-6)
+    with pytest.raises(ValueError, match="rows_per_cta: with silu_eps"):
+        gemm_wgmma(torch.randn(20, 128, **bf16), torch.randn(256, 128, **bf16),
+                   rows_per_cta=256, silu_eps=1e-6)
+
+
 def test_gemv_usable_is_false_on_cpu():
     x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
     assert not gemv_usable(x, w)
@@ -103,6 +136,13 @@ def test_linear_falls_back_to_f_linear_on_cpu():
     layer.weight.copy_(torch.randn(32, 64))
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_linear_silu_and_mul_leaves_the_cpu_to_the_caller():
+    """No kernel of ours on the CPU: `Linear.silu_and_mul` says so with None, and
+    the MLP runs the product and the activation apart."""
+    layer = Linear(64, [32, 32], dtype=torch.bfloat16, use_kernels=True)
+    assert layer.silu_and_mul(torch.randn(3, 64, dtype=torch.bfloat16), 1e-6) is None
 
 
 def test_model_passes_use_kernels_to_every_linear(tiny_model_dir):
@@ -259,6 +299,50 @@ def _check_graph_replay(product, rows: int, k: int, n: int) -> None:
 def test_gemv_in_cuda_graph(rows):
     """Captured once, replayed on new inputs: no host sync, no allocation in the launch."""
     _check_graph_replay(gemv, rows, k=1024, n=4096)
+
+
+def _check_silu_mul(k: int, n: int, dtype: torch.dtype, rows: list[int], product=gemv,
+                    **kwargs: object) -> None:
+    """The product with SiLU · mul in its epilogue (`silu_eps`), at every row count
+    of `rows`, output poisoned first: against the same product followed by the
+    `silu_and_mul` kernel (the model's unfused path: bit for bit but where the
+    row's float32 sum of squares, added in another order, rounds the other way),
+    and against float64."""
+    dev, eps = "cuda", 1e-6
+    # A folded gate_up_proj: the norm's weight (about 1) times W.
+    w = (torch.randn(n, k, device=dev) * k ** -0.5 * (1 + 0.1 * torch.randn(k, device=dev)))
+    w = w.to(dtype)
+    for m in rows:
+        x = (torch.randn(m, k, device=dev) * 3).to(dtype)  # the residual stream, rms about 3
+        out = torch.full((m, n // 2), float("nan"), device=dev, dtype=dtype)
+        y = product(x, w, out=out, silu_eps=eps, **kwargs)
+        assert y is out
+        assert not y.isnan().any(), f"M={m}: outputs left unwritten"
+        unfused = silu_and_mul(product(x, w, **kwargs), x, eps)
+        same = (y == unfused).float().mean().item()
+        # gemm_wgmma sums the squares on the tensor cores (x xᵀ): fp16's finer
+        # spacing shows the other order of the additions more often (on an H200,
+        # 99.4 % of fp16 outputs equal, 99.95 % of bf16).
+        least = 0.99 if dtype == torch.bfloat16 else 0.98
+        assert same > least, f"M={m}: {same:.4f} of the outputs equal the unfused path's"
+        torch.testing.assert_close(y, unfused, rtol=8 * _rounding(dtype), atol=1e-3)
+        ref = silu_mul_product_ref(x.double(), w.double(), eps)
+        err, err_unfused = _rel_err(y, ref), _rel_err(unfused, ref)
+        slack = 2 * _rounding(dtype) / y.numel() ** 0.5
+        assert err <= 1.25 * err_unfused + slack, (
+            f"M={m}: relative error {err:.3e} vs unfused {err_unfused:.3e}")
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [0, 1, 2, 4, 8, 16])
+@pytest.mark.parametrize("k, n", [(1024, 6144), (4096, 24576), (64, 32), (1032, 1040)],
+                         ids=["0.6B", "8B", "small", "ragged-k"])
+def test_gemv_silu_mul_epilogue(k, n, splits, dtype):
+    """gate_up_proj with SiLU · mul in one launch, 1 to 16 rows: Qwen3-0.6B's and
+    8B's shapes, the smallest [gate; up], and K that leaves a tail."""
+    _check_silu_mul(k, n, dtype, ROWS, splits=splits)
 
 
 @needs_kernels
@@ -430,6 +514,46 @@ def test_gemm_wgmma_usable_on_cuda():
     assert not gemm_wgmma_usable(torch.randn(64, 1024, device=dev, dtype=bf16), head)
     assert not gemm_wgmma_usable(torch.randn(64, 1000, device=dev, dtype=bf16),
                                  torch.randn(128, 1000, device=dev, dtype=bf16))  # K % 64
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k, n", [(1024, 6144), (3072, 1024), (640, 256)],
+                         ids=["0.6B", "wide-k", "small"])
+def test_gemm_wgmma_silu_mul_epilogue(k, n, dtype):
+    """gate_up_proj with SiLU · mul in one launch, 1 to 256 rows, the plan the kernel picks."""
+    _check_silu_mul(k, n, dtype, WGMMA_ROWS, product=gemm_wgmma)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [64, 128])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_gemm_wgmma_silu_mul_every_plan(splits, tile_n):
+    """Every tiling with the epilogue: gate's and up's half tiles of 32 or 64 rows,
+    128-row tiles (the last one partial), and a split of K, whose partial sums of
+    squares are added with the products'."""
+    _check_silu_mul(1024, 6144, torch.bfloat16, [3, 64, 100, 128, 129, 200, 256],
+                    product=gemm_wgmma, splits=splits, rows_per_cta=128, tile_n=tile_n)
+
+
+@needs_wgmma
+@pytest.mark.gpu
+def test_linear_silu_and_mul_fuses_where_our_products_run():
+    """Qwen3-0.6B's gate_up_proj: the GEMV's epilogue up to 16 rows, gemm_wgmma's up
+    to 128, and None from 129 rows (cuBLAS's), each equal to the two launches."""
+    dev, dtype, eps = "cuda", torch.bfloat16, 1e-6
+    gate_up = Linear(1024, [3072, 3072], device=dev, dtype=dtype, use_kernels=True)
+    gate_up.weight.copy_(torch.randn_like(gate_up.weight) * 1024 ** -0.5)
+    for rows in (1, 16, 17, 64, 128, 129, 256):
+        x = torch.randn(rows, 1024, device=dev, dtype=dtype)
+        got = gate_up.silu_and_mul(x, eps)
+        if rows > 128:
+            assert got is None, f"rows={rows}: cuBLAS's shapes are left to the caller"
+            continue
+        assert got is not None and got.shape == (rows, 3072)
+        torch.testing.assert_close(got, silu_and_mul(gate_up(x), x, eps), rtol=2e-2, atol=1e-3)
 
 
 @needs_wgmma
