@@ -68,11 +68,17 @@ read from HBM and from the L2)::
 
     python benchmarks/kernels.py --tables gemm_l2 --out benchmarks/results/kernels_gemm_l2_h200.json
 
-and
+
 ``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
 layer calls them, at 1 to 8,192 tokens)::
 
     python benchmarks/kernels.py --tables fused --out benchmarks/results/kernels_fused_h200.json
+
+and ``silu_epilogue`` (Qwen3-0.6B's gate_up_proj with SiLU · mul in the
+product's epilogue, against the product and the ``silu_and_mul`` kernel, ours
+and cuBLAS's, at 1 to 256 rows)::
+
+    python benchmarks/kernels.py --tables silu_epilogue --out benchmarks/results/kernels_silu_epilogue_h200.json
 """
 
 from __future__ import annotations
@@ -816,6 +822,56 @@ def bench_fused(copy_bw: float, device: torch.device,
 # --8<-- [end:bench_fused]
 
 
+# Decode batches for the silu_epilogue table: the GEMV to 16 rows, gemm_wgmma above.
+SILU_EPILOGUE_ROWS = (1, 4, 8, 16, 24, 32, 64, 96, 128, 192, 256)
+
+
+# --8<-- [start:bench_silu_epilogue]
+def bench_silu_epilogue(copy_bw: float, device: torch.device,
+                        rows: tuple[int, ...] = SILU_EPILOGUE_ROWS) -> list[dict]:
+    """Qwen3-0.6B's gate_up_proj and SiLU · mul (norm folded) as one launch and as two.
+
+    Paths: ``fused`` (our product with SiLU · mul in its epilogue,
+    ``silu_eps``), ``separate`` (our product, then the ``silu_and_mul`` kernel:
+    the model's path before the epilogue) and ``cublas_separate`` (cuBLAS, then
+    ``silu_and_mul``: the model's path above 128 rows). Bytes: the weight, x
+    and the [rows, intermediate] output once each. Weights rotate to defeat the
+    L2 and the calls replay from a CUDA graph, as in the gemv table.
+    """
+    from mini_vllm.ops import layer_ops
+
+    hidden, inter, eps = FUSED_SHAPE["hidden"], FUSED_SHAPE["intermediate"], 1e-6
+    weight_bytes = 2 * inter * hidden * DTYPE.itemsize
+    rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+    weights = [torch.randn(2 * inter, hidden, device=device, dtype=DTYPE) * hidden ** -0.5
+               for _ in range(rotations)]
+    result = []
+    for m in rows:
+        xs = [torch.randn(m, hidden, device=device, dtype=DTYPE) for _ in range(rotations)]
+        outs = [torch.empty(m, inter, device=device, dtype=DTYPE) for _ in range(rotations)]
+        moved = weight_bytes + (m * hidden + m * inter) * DTYPE.itemsize
+        pairs = list(zip(xs, weights, outs))
+        paths: dict[str, list[Callable[[], object]]] = {
+            "fused": [lambda x=x, w=w, o=o: engine_product(x, w, out=o, silu_eps=eps)
+                      for x, w, o in pairs],
+            "separate": [lambda x=x, w=w: layer_ops.silu_and_mul(engine_product(x, w), x, eps)
+                         for x, w, _ in pairs],
+            "cublas_separate": [lambda x=x, w=w: layer_ops.silu_and_mul(F.linear(x, w), x, eps)
+                                for x, w, _ in pairs],
+        }
+        row = {"layer": "gate_up_proj", "k": hidden, "n": 2 * inter, "rows": m, "bytes": moved,
+               "rotations": rotations, "paths": {}}
+        for name, calls in paths.items():
+            sec = time_calls(calls, use_graph=True)
+            row["paths"][name] = {"us": sec * 1e6, "gbps": moved / sec / 1e9,
+                                  "frac_copy": moved / sec / copy_bw}
+        result.append(row)
+        print(f"  rows={m:4d}  " + "  ".join(f"{n}={r['us']:7.2f}us"
+                                             for n, r in row["paths"].items()), flush=True)
+    return result
+# --8<-- [end:bench_silu_epilogue]
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
@@ -999,6 +1055,11 @@ def run(args: argparse.Namespace) -> dict:
     if "fused" in tables:
         print("fused: q/k-norm + RoPE (with the KV write) and SiLU · mul, Qwen3-0.6B, bf16")
         result["fused"] = bench_fused(copy_bw, device)
+        save()
+    if "silu_epilogue" in tables:
+        print("silu_epilogue: Qwen3-0.6B's gate_up_proj + SiLU · mul in one launch and in two, "
+              "bf16")
+        result["silu_epilogue"] = bench_silu_epilogue(copy_bw, device)
         save()
     if "gemm" in tables:
         print(f"gemm: y = x @ W.T at {GEMM_ROWS} rows, gemm_wgmma vs cuBLAS (F.linear), bf16")
@@ -1222,6 +1283,10 @@ def report(path: Path) -> None:
             d["gemm_l2"], "**gemm_l2** (Qwen3-0.6B, bf16; ours: the GEMV to 16 rows, then "
             "gemm_wgmma; `_l2`: the weight read from the L2; µs per call)",
             {"layer": lambda r: r["layer"], "rows": lambda r: str(r["rows"])}, "{us:.2f}")
+    if d.get("silu_epilogue"):
+        print_paths_table(
+            d["silu_epilogue"], "**silu_epilogue** (Qwen3-0.6B's gate_up_proj + SiLU · mul, "
+            "bf16; µs per call)", {"rows": lambda r: str(r["rows"])}, "{us:.2f}")
     if d.get("fused"):
         print_paths_table(
             d["fused"], "**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a "
