@@ -56,7 +56,8 @@ constexpr int kXBlockBytes = 64 * kBK * 2;   // 8 KB per 64 rows of x per stage
 constexpr int kMaxSplits = 16;               // the largest cluster Hopper runs
 constexpr int kMaxStages = 8;
 
-// Shared memory: [ring of stages, later the partial tile][full barriers][empty barriers].
+// Shared memory: [ring of stages, later the partial tile][full barriers][empty barriers]
+// [SILU: the rows' sums of squares].
 // A CTA takes BN output features (128 or 64: the N of the wgmma) by up to
 // 128 rows of x (BLOCKS_PER_WG = 1) or 256 (2); the ring has as many stages
 // as fit in 192 KB, at most 8.
@@ -73,7 +74,7 @@ struct Layout {
   static constexpr int kDataBytes = kRingBytes > kPartBytes ? kRingBytes : kPartBytes;
   // The swizzle is applied to shared addresses: stages start on 1,024 bytes.
   // Room for 16 barriers whatever the stages, so every layout takes the same.
-  // Then one float per row of x (SILU: the rows' sums of squares).
+  // Then a float per row of x (SILU, which uses the first 128).
   static constexpr size_t kSmemBytes = 1024 + 192 * 1024 + 2 * 8 * kMaxStages + 4 * 256;
   static_assert(kDataBytes <= 192 * 1024);
 };
@@ -308,6 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     // SILU: this warpgroup's rows' sums are in row_sumsq (barrier 2 or 3: its own).
+    // Each row's sum is read by lanes of the warp that wrote it, so a __syncwarp
+    // would do as well.
     if constexpr (SILU) asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
   }
   pdl_launch_dependents();
@@ -522,8 +525,8 @@ template <typename T, bool SILU>
 void dispatch(const GemvParams& p, cudaStream_t stream) {
   // Every layout takes the same shared memory: the same clusters fit at once.
   static_assert(Layout<1, 128>::kSmemBytes == Layout<2, 64>::kSmemBytes);
-  // SILU takes 128 rows a CTA: with 256, x xᵀ's accumulators beside the
-  // product's would not fit in the registers.
+  // SILU takes 128 rows a CTA: at 256 with tiles of 128 outputs, x xᵀ's
+  // accumulators beside the product's spill out of the registers.
   const Plan plan =
       choose_plan(prepared_kernel<T, 1, 128, SILU>(), Layout<1, 128>::kSmemBytes, p.m, p.n,
                   p.k / kBK, SILU ? 128 : p.rows_per_cta, p.splits, p.tile_n);

@@ -98,21 +98,20 @@ __global__ void __launch_bounds__(32 * (S > 4 ? S : 4)) gemv_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;
   const int tile = blockIdx.x * G + warp / S;
-  const int row0 = tile * kTileRows;  // the tile's first row (SILU: its first output, 8 tile)
-  const int split = warp % S;                                // this warp's slice of K
-  const int num_vec = k / 8;                                 // 16-byte vectors per row
+  const int row0 = tile * kTileRows;  // the tile's first row of W (SILU: output 8 tile first)
+  const int split = warp % S;         // this warp's slice of K
+  const int num_vec = k / 8;          // 16-byte vectors per row
   const int num_chunks = (k + kChunk - 1) / kChunk;
 
   // Rows past n (the last tile of a ragged n) read row n - 1 again, and
   // rows of x past m read row m - 1: every load stays in bounds and the
-  // loop needs no branch on them; those outputs are never stored.
-  const T* w_lo = w + static_cast<int64_t>(min(row0 + g, n - 1)) * k;
-  const T* w_hi = w + static_cast<int64_t>(min(row0 + g + 8, n - 1)) * k;
-  if constexpr (SILU) {  // n / 2 is a multiple of 8; tiles past it (a block's last) read the last
-    const int t = min(tile, n / 16 - 1);
-    w_lo = w + static_cast<int64_t>(8 * t + g) * k;
-    w_hi = w + static_cast<int64_t>(n / 2 + 8 * t + g) * k;
-  }
+  // loop needs no branch on them; those outputs are never stored. SILU:
+  // gate row 8 t + g and up row n / 2 + 8 t + g (n / 2 is a multiple of 8;
+  // a tile past the last, in a block's last group, reads the last again).
+  const int t = min(tile, n / 16 - 1);
+  const T* w_lo = w + static_cast<int64_t>(SILU ? 8 * t + g : min(row0 + g, n - 1)) * k;
+  const T* w_hi =
+      w + static_cast<int64_t>(SILU ? n / 2 + 8 * t + g : min(row0 + g + 8, n - 1)) * k;
   const T* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) xr[j] = x + min(8 * j + g, m - 1) * x_stride;

@@ -45,7 +45,7 @@ struct GemvParams {
   // w is gate_up_proj's [gate; up] (n = 2 d rows, d a multiple of 8) with the
   // post-attention norm's weight folded in, and x the residual stream itself:
   // y [m, d] = silu(s * x @ gate^T) * (s * x @ up^T), s = 1 / sqrt(mean(x^2) +
-  // silu_eps) per row, rounded as silu_and_mul rounds it (layer_params.h).
+  // silu_eps) per row, rounded as silu_and_mul rounds it (silu_mul.cuh).
   // Not with accumulate.
   bool silu_mul = false;
   float silu_eps = 0.f;

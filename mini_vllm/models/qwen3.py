@@ -119,6 +119,9 @@ class Linear(nn.Module):
         per row: the product and the activation in one launch, where one of our
         kernels takes `x` (`silu_mul_product_ref` says what it computes); None
         where cuBLAS would multiply, and the caller runs the two apart."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"silu_and_mul: needs [gate; up] of equal halves, this layer "
+                             f"stacks {self.output_sizes}")
         kernel = self._kernel(x)
         return kernel(x, self.weight, silu_eps=eps) if kernel else None
 # --8<-- [end:linear]
@@ -373,7 +376,8 @@ class Qwen3MLP(nn.Module):
 
     def forward_folded(self, residual: torch.Tensor, norm_eps: float) -> None:
         """`residual += mlp(norm(residual))`, the norm's weight folded into `gate_up_proj`."""
-        # Up to 128 rows on a GPU, our products run SiLU · mul in their epilogue.
+        # Where our products run (the GEMV to 16 rows, gemm_wgmma to 128 on Hopper),
+        # they apply SiLU · mul in their epilogue.
         act = self.gate_up_proj.silu_and_mul(residual, norm_eps) if self.use_kernels else None
         if act is None:
             gate_up = self.gate_up_proj(residual)  # rows still to be scaled by 1 / rms(residual)

@@ -87,7 +87,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
         x: [rows, K], 1 <= rows <= GEMV_MAX_ROWS (16), float16 or bfloat16, rows dense (any row
             stride that is a multiple of 8 elements), 16-byte aligned.
         weight: [N, K] contiguous (nn.Linear's layout), same dtype; K a multiple of 8.
-        out: [rows, N] contiguous tensor to write into (a new one when None).
+        out: [rows, N] ([rows, N / 2] with `silu_eps`) contiguous tensor to write
+            into (a new one when None).
         splits: warps that share a tile of 16 output rows, each summing part
             of K (1, 2, 4, 8 or 16); 0 lets the kernel choose (for tests and tuning).
         accumulate: `out += x @ weight.T` (the sum rounded once, as
@@ -188,7 +189,8 @@ def gemm_wgmma(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | Non
         x: [rows, K], 1 <= rows <= GEMM_MAX_ROWS (256), float16 or bfloat16,
             rows dense and 16-byte aligned; K a multiple of 64.
         weight: [N, K] contiguous, same dtype; N a multiple of 128.
-        out: [rows, N] contiguous tensor to write into (a new one when None).
+        out: [rows, N] ([rows, N / 2] with `silu_eps`) contiguous tensor to write
+            into (a new one when None).
         splits: CTAs of a cluster that share a tile of outputs, each
             summing a slice of K (1 to 16); 0 lets the kernel choose (at most 8).
         accumulate: `out += x @ weight.T`, the sum rounded once; `out` is then required.
@@ -244,7 +246,8 @@ def _check_product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
     if k == 0 or k % k_multiple:
         raise ValueError(f"x: K = {k} must be a positive multiple of {k_multiple}")
     if n == 0 or n % n_multiple:
-        raise ValueError(f"weight: N = {n} must be a positive multiple of {n_multiple}")
+        what = " (with silu_eps, [gate; up] of equal halves)" if silu_eps is not None else ""
+        raise ValueError(f"weight: N = {n} must be a positive multiple of {n_multiple}{what}")
     if weight.shape[1] != k:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not take x's K = {k}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
