@@ -68,8 +68,7 @@ read from HBM and from the L2)::
 
     python benchmarks/kernels.py --tables gemm_l2 --out benchmarks/results/kernels_gemm_l2_h200.json
 
-
-``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
+and ``fused`` (q/k-norm + RoPE with the KV write and SiLU · mul, as a Qwen3-0.6B
 layer calls them, at 1 to 8,192 tokens)::
 
     python benchmarks/kernels.py --tables fused --out benchmarks/results/kernels_fused_h200.json
@@ -78,7 +77,8 @@ and ``silu_epilogue`` (Qwen3-0.6B's gate_up_proj with SiLU · mul in the
 product's epilogue, against the product and the ``silu_and_mul`` kernel, ours
 and cuBLAS's, at 1 to 256 rows)::
 
-    python benchmarks/kernels.py --tables silu_epilogue --out benchmarks/results/kernels_silu_epilogue_h200.json
+    python benchmarks/kernels.py --tables silu_epilogue \\
+        --out benchmarks/results/kernels_silu_epilogue_h200.json
 """
 
 from __future__ import annotations
