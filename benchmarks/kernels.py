@@ -113,6 +113,12 @@ DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------
+def l2_rotations(nbytes: int) -> int:
+    """Copies of a call's inputs to rotate through, `nbytes` each, so that a
+    graph of the calls touches L2_DEFEAT_BYTES (at most MAX_ROTATIONS)."""
+    return max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / nbytes)))
+
+
 def time_calls(calls: list[Callable[[], object]], use_graph: bool, target_ms: float = 30.0,
                trials: int = 5) -> float:
     """Median seconds per call of `calls` (one per input rotation), on the current device."""
@@ -175,7 +181,7 @@ class DecodeCase:
         self.batch, self.ctx, self.block_size = batch, ctx, block_size
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         kv_bytes = 2 * batch * ctx * num_kv_heads * HEAD_DIM * 2
-        self.rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        self.rotations = l2_rotations(kv_bytes)
         blocks_per_seq = math.ceil(ctx / block_size)
         num_blocks = self.rotations * batch * blocks_per_seq + 1
         shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
@@ -456,7 +462,7 @@ def bench_gemv(copy_bw: float, device: torch.device, rows: tuple[int, ...] = GEM
     for model, layers in (shapes or GEMV_SHAPES).items():
         for layer, k, n in layers:
             weight_bytes = n * k * DTYPE.itemsize
-            rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+            rotations = l2_rotations(weight_bytes)
             weights = [torch.randn(n, k, device=device, dtype=DTYPE) * k ** -0.5
                        for _ in range(rotations)]
             for m in rows:
@@ -593,7 +599,7 @@ class MixedCase:
         self.lens, self.batch, self.block_size = lens, len(lens), block_size
         self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
         kv_bytes = 2 * sum(lens) * num_kv_heads * HEAD_DIM * 2
-        self.rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
+        self.rotations = l2_rotations(kv_bytes)
         blocks = [math.ceil(n / block_size) for n in lens]
         num_blocks = self.rotations * sum(blocks) + 1
         shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
@@ -783,7 +789,7 @@ def bench_fused(copy_bw: float, device: torch.device,
         qkv_bytes = t * (hq + 2 * hkv) * d * e
         per_call = {"qk_norm_rope": 2 * qkv_bytes + 2 * t * hkv * d * e + t * hidden * e,
                     "silu_and_mul": t * 3 * inter * e + t * hidden * e}
-        rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / max(per_call.values()))))
+        rotations = l2_rotations(max(per_call.values()))
         blocks = -(-t // 16) + 1
         k_cache = torch.zeros(blocks, 16, hkv, d, device=device, dtype=DTYPE)
         v_cache = torch.zeros_like(k_cache)
@@ -842,7 +848,7 @@ def bench_silu_epilogue(copy_bw: float, device: torch.device,
 
     hidden, inter, eps = FUSED_SHAPE["hidden"], FUSED_SHAPE["intermediate"], 1e-6
     weight_bytes = 2 * inter * hidden * DTYPE.itemsize
-    rotations = max(1, min(MAX_ROTATIONS, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+    rotations = l2_rotations(weight_bytes)
     weights = [torch.randn(2 * inter, hidden, device=device, dtype=DTYPE) * hidden ** -0.5
                for _ in range(rotations)]
     result = []
