@@ -377,8 +377,8 @@ class Qwen3MLP(nn.Module):
     def forward_folded(self, residual: torch.Tensor, norm_eps: float) -> None:
         """`residual += mlp(norm(residual))`, the norm's weight folded into `gate_up_proj`."""
         # Where our products run (the GEMV to 16 rows, gemm_wgmma to 128 on Hopper),
-        # they apply SiLU · mul in their epilogue.
-        act = self.gate_up_proj.silu_and_mul(residual, norm_eps) if self.use_kernels else None
+        # they apply SiLU · mul in their epilogue; elsewhere this is None.
+        act = self.gate_up_proj.silu_and_mul(residual, norm_eps)
         if act is None:
             gate_up = self.gate_up_proj(residual)  # rows still to be scaled by 1 / rms(residual)
             if self.use_kernels:
