@@ -62,6 +62,8 @@ each once), ``gemm`` (``gemm_wgmma`` against cuBLAS at 24 to 256 rows),
 ``gemm_plans`` (``gemm_wgmma`` at every plan, tile width by rows per CTA by
 splits of K, at Qwen3-0.6B's shapes: the sweep that sets the constants of its
 ``plan_cycles``; path ``ours_r128s4t64`` is 128 rows, 4 splits, 64 outputs),
+``silu_plans`` (the same for gate_up_proj with SiLU · mul in its epilogue,
+at 24 to 128 rows, 128 rows per CTA),
 ``gemm_l2`` (Qwen3-0.6B's products at 8 to 256 rows on our kernels, the
 GEMV to 16 rows and ``gemm_wgmma`` above, and on cuBLAS, each with its weight
 read from HBM and from the L2)::
@@ -830,19 +832,24 @@ def bench_fused(copy_bw: float, device: torch.device,
 
 # Decode batches for the silu_epilogue table: the GEMV to 16 rows, gemm_wgmma above.
 SILU_EPILOGUE_ROWS = (1, 4, 8, 16, 24, 32, 64, 96, 128, 192, 256)
+# Rows of the silu_plans table: those where the model runs gemm_wgmma with SiLU · mul.
+SILU_PLAN_ROWS = (24, 32, 48, 64, 96, 128)
 
 
 # --8<-- [start:bench_silu_epilogue]
 def bench_silu_epilogue(copy_bw: float, device: torch.device,
-                        rows: tuple[int, ...] = SILU_EPILOGUE_ROWS) -> list[dict]:
+                        rows: tuple[int, ...] = SILU_EPILOGUE_ROWS,
+                        variants: dict[str, dict] | None = None) -> list[dict]:
     """Qwen3-0.6B's gate_up_proj and SiLU · mul (norm folded) as one launch and as two.
 
     Paths: ``fused`` (our product with SiLU · mul in its epilogue,
     ``silu_eps``), ``separate`` (our product, then the ``silu_and_mul`` kernel:
     the model's path before the epilogue) and ``cublas_separate`` (cuBLAS, then
-    ``silu_and_mul``: the model's path above 128 rows). Bytes: the weight, x
-    and the [rows, intermediate] output once each. Weights rotate to defeat the
-    L2 and the calls replay from a CUDA graph, as in the gemv table.
+    ``silu_and_mul``: the model's path above 128 rows); with `variants`, also
+    ``fused_<name>`` for each: ``gemm_wgmma`` with SiLU · mul at the plan its
+    arguments force (the silu_plans table). Bytes: the weight, x and the
+    [rows, intermediate] output once each. Weights rotate to defeat the L2 and
+    the calls replay from a CUDA graph, as in the gemv table.
     """
     from mini_vllm.ops import layer_ops
 
@@ -865,6 +872,10 @@ def bench_silu_epilogue(copy_bw: float, device: torch.device,
             "cublas_separate": [lambda x=x, w=w: layer_ops.silu_and_mul(F.linear(x, w), x, eps)
                                 for x, w, _ in pairs],
         }
+        for name, kw in (variants or {}).items():
+            paths[f"fused_{name}"] = [
+                lambda x=x, w=w, o=o, kw=kw: gemm_wgmma(x, w, out=o, silu_eps=eps, **kw)
+                for x, w, o in pairs]
         row = {"layer": "gate_up_proj", "k": hidden, "n": 2 * inter, "rows": m, "bytes": moved,
                "rotations": rotations, "paths": {}}
         for name, calls in paths.items():
@@ -1067,6 +1078,14 @@ def run(args: argparse.Namespace) -> dict:
               "bf16")
         result["silu_epilogue"] = bench_silu_epilogue(copy_bw, device)
         save()
+    if "silu_plans" in tables:
+        print(f"silu_plans: gate_up_proj + SiLU · mul on gemm_wgmma at every plan (tile width "
+              f"x splits), {SILU_PLAN_ROWS} rows, bf16")
+        result["silu_plans"] = bench_silu_epilogue(
+            copy_bw, device, rows=SILU_PLAN_ROWS,
+            variants={f"r128s{s}t{t}": {"splits": s, "tile_n": t}
+                      for t in (128, 64) for s in GEMM_PLAN_SPLITS})
+        save()
     if "gemm" in tables:
         print(f"gemm: y = x @ W.T at {GEMM_ROWS} rows, gemm_wgmma vs cuBLAS (F.linear), bf16")
         result["gemm"] = bench_gemv(copy_bw, device, rows=GEMM_ROWS, shapes=GEMM_SHAPES,
@@ -1149,6 +1168,22 @@ def print_paths_table(rows: list[dict], heading: str,
         cells += [cell.format(us=r["paths"][n]["us"], pct=100 * r["paths"][n]["frac_copy"])
                   for n in names]
         print("| " + " | ".join(cells) + " |")
+    print()
+
+
+def report_plans(rows: list[dict], heading: str, chosen: str, prefix: str) -> None:
+    """A sweep of forced plans (paths `prefix` + plan name): per layer and row count,
+    the plan the kernel chose (path `chosen`) against the sweep's fastest."""
+    print(heading + "\n")
+    print("| layer | rows | chosen | fastest plan | chosen − fastest |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        plans = {n[len(prefix):]: v["us"] for n, v in r["paths"].items()
+                 if n.startswith(prefix) and "us" in v}
+        best = min(plans, key=plans.get)
+        us = r["paths"][chosen]["us"]
+        print(f"| {r['layer']} | {r['rows']} | {us:.2f} µs | {best}: {plans[best]:.2f} µs | "
+              f"{us - plans[best]:+.2f} µs |")
     print()
 
 
@@ -1293,6 +1328,13 @@ def report(path: Path) -> None:
         print_paths_table(
             d["silu_epilogue"], "**silu_epilogue** (Qwen3-0.6B's gate_up_proj + SiLU · mul, "
             "bf16; µs per call)", {"rows": lambda r: str(r["rows"])}, "{us:.2f}")
+    if d.get("gemm_plans"):
+        report_plans(d["gemm_plans"], "**gemm_plans** (gemm_wgmma, bf16: the plan it chose "
+                     "against every plan, `r<rows>s<splits>t<outputs>`)", "ours", "ours_")
+    if d.get("silu_plans"):
+        report_plans(d["silu_plans"], "**silu_plans** (gate_up_proj + SiLU · mul on "
+                     "gemm_wgmma, bf16: the plan it chose against every plan)", "fused",
+                     "fused_")
     if d.get("fused"):
         print_paths_table(
             d["fused"], "**fused** (Qwen3-0.6B, bf16; time per call · bytes over time as a "
