@@ -28,7 +28,8 @@
 //     m64n64k16, both operands read from shared memory) into float32
 //     registers, each taking every other block of 64 rows of x, and hand a
 //     stage back on its "empty" mbarrier once the products of the next one
-//     are under way.
+//     are under way. At 64 rows or fewer the second has no rows and sits out,
+//     leaving the SM's tensor cores to the first.
 //   - With SILU (GemvParams::silu_mul) the product is gate_up_proj's and the
 //     epilogue applies SiLU · mul: a tile's W is half gate rows, half the
 //     same up rows (two TMA boxes), and the row scale of the folded norm,
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   const uint32_t ring = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t full = ring + L::kDataBytes;  // a stage's bytes have landed
-  const uint32_t empty = full + kStages * 8;   // both consumers are done with it
+  const uint32_t empty = full + kStages * 8;   // the busy consumers are done with it
   // SILU: the sums of squares of x's rows, past the barriers (the split's
   // partial tile reuses the ring, not this).
   float* const row_sumsq = reinterpret_cast<float*>(
@@ -196,6 +197,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int splits = gridDim.y;
   const int m0 = blockIdx.z * L::kRows;  // this CTA's rows: [m0, m0 + m_cta)
   const int m_cta = min(m - m0, L::kRows);
+  // --8<-- [start:busy]
+  // A consumer whose blocks of rows all lie past the CTA's rows (the second
+  // one, at 64 rows or fewer) has nothing to multiply: it skips the main loop
+  // and leaves the SM's tensor cores to the other, and the stages' "empty"
+  // barriers count only the consumers that work.
+  const int busy_consumers = min(kConsumers, (m_cta + 63) / 64);
+  // --8<-- [end:busy]
   const int c_begin = split * chunks_per_split;
   const int chunks = min(num_chunks, c_begin + chunks_per_split) - c_begin;
   // Every CTA copies the same box of rows (the TMA fills rows past m with zeros).
@@ -216,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full + 8 * s, 1);
-      mbarrier_init(empty + 8 * s, kConsumers);
+      mbarrier_init(empty + 8 * s, busy_consumers);
     }
     mbarrier_init_fence();
   }
@@ -262,7 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < (SILU ? 32 : 1); ++r) xxt[i][r] = 0.f;
     pdl_wait();  // the epilogue may read y
-    for (int c = 0; c < chunks; ++c) {
+    const bool busy = wg < busy_consumers;  // the same in the whole warpgroup
+    for (int c = 0; busy && c < chunks; ++c) {
       const int s = c % kStages;
       mbarrier_wait(full + 8 * s, (c / kStages) & 1);
       const uint32_t w_tile = stage(s);
@@ -305,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence_operands(acc[i]);
       if constexpr (SILU) {
         wgmma_fence_operands(xxt[i]);
-        store_diagonal(xxt[i], row_sumsq + (wg + kConsumers * i) * 64);
+        if (busy) store_diagonal(xxt[i], row_sumsq + (wg + kConsumers * i) * 64);
       }
     }
     // SILU: this warpgroup's rows' sums are in row_sumsq (barrier 2 or 3: its own).
@@ -425,22 +434,29 @@ struct Plan {
 };
 
 // A rough time of a plan, in SM cycles: the waves of clusters times what one
-// CTA does. Per 64-wide slice of K a CTA copies BN x 64 of W (16 or 8 KB, at
-// about 64 bytes a cycle) and 8 KB per 64 rows of x (mostly from L2, counted
-// at twice that rate) while its tensor cores take 2 BN cycles per 64 rows it
-// multiplies (its consumers multiply every block, filled or not); a split
-// adds the sum of the partial tiles through distributed shared memory. The
-// constants were fitted by hand to a sweep of every plan on an H200
-// (benchmarks/kernels.py --tables gemm_plans): at Qwen3-0.6B's shapes the
-// plan they pick is the sweep's fastest or within 0.31 us of it.
-double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_at_once) {
+// CTA does. Per 64-wide slice of K a CTA copies BN x 64 of W (16 or 8 KB,
+// counted at 64 bytes a cycle) and 8 KB per 64 rows of x (mostly from L2,
+// counted at four times that rate), while its products are counted at 1.5 BN
+// cycles per block of 64 rows, and 1.5 x 64 more with SILU (x xᵀ). A consumer
+// multiplies each of its blocks, filled or not, unless it has no rows at all
+// (the second, at 64 rows or fewer). A split adds the sum of the partial
+// tiles through distributed shared memory. The constants were fitted by hand
+// to a sweep of every plan on an H200 (benchmarks/kernels.py --tables
+// gemm_plans silu_plans): at Qwen3-0.6B's shapes up to 128 rows the plan they
+// pick is the sweep's fastest, but for down_proj at 32 and 64 rows, 0.67 and
+// 0.34 us behind it (there eight slices of K over tiles of 128 win; no setting
+// of these constants we tried picks that without a worse plan elsewhere).
+double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_at_once,
+                   bool silu) {
   const int m_tiles = ceil_div(m, plan.rows);
   const int waves = ceil_div(n / plan.bn * m_tiles, std::max(clusters_at_once, 1));
   const int x_blocks = std::min(ceil_div(m, 64), plan.rows / 64);
   const int chunks = ceil_div(num_chunks, plan.splits);
-  const double w_cycles = 2.0 * plan.bn;  // its W tile, and its products per 64 rows
-  const double per_chunk = std::max(w_cycles + 64.0 * x_blocks, w_cycles * (plan.rows / 64));
-  const double reduce = plan.splits > 1 ? 600.0 + 48.0 * std::min(m, plan.rows) * plan.bn / 128 +
+  const int busy_blocks = std::min(x_blocks, kConsumers) * (plan.rows / 128);
+  const double copy = 2.0 * plan.bn + 32.0 * x_blocks;
+  const double multiply = 1.5 * (plan.bn + (silu ? 64.0 : 0.0)) * busy_blocks;
+  const double per_chunk = std::max(copy, multiply);
+  const double reduce = plan.splits > 1 ? 600.0 + 24.0 * std::min(m, plan.rows) * plan.bn / 128 +
                                               400.0 * plan.splits
                                         : 0.0;
   return waves * (500.0 + chunks * per_chunk + reduce);
@@ -453,7 +469,7 @@ double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_
 // A cluster's CTAs must sit on SMs of one GPC: at one CTA per SM, an H200
 // runs 30 clusters of 4, not 132 / 4 = 33 (max_active_clusters says how many).
 Plan choose_plan(const void* kernel, size_t smem, int m, int n, int num_chunks,
-                 int forced_rows, int forced_splits, int forced_bn) {
+                 int forced_rows, int forced_splits, int forced_bn, bool silu) {
   Plan best;
   double best_cycles = 0.0;
   for (const int bn : {128, 64}) {
@@ -468,7 +484,8 @@ Plan choose_plan(const void* kernel, size_t smem, int m, int n, int num_chunks,
         }
         const Plan plan{rows, ceil_div(num_chunks, ceil_div(num_chunks, splits)), bn};
         const double cycles = plan_cycles(
-            plan, m, n, num_chunks, max_active_clusters(kernel, kThreads, smem, plan.splits));
+            plan, m, n, num_chunks, max_active_clusters(kernel, kThreads, smem, plan.splits),
+            silu);
         if (best_cycles == 0.0 || cycles < best_cycles) {
           best = plan;
           best_cycles = cycles;
@@ -529,7 +546,7 @@ void dispatch(const GemvParams& p, cudaStream_t stream) {
   // accumulators beside the product's spill out of the registers.
   const Plan plan =
       choose_plan(prepared_kernel<T, 1, 128, SILU>(), Layout<1, 128>::kSmemBytes, p.m, p.n,
-                  p.k / kBK, SILU ? 128 : p.rows_per_cta, p.splits, p.tile_n);
+                  p.k / kBK, SILU ? 128 : p.rows_per_cta, p.splits, p.tile_n, SILU);
   if constexpr (SILU) {
     plan.bn == 128 ? launch<T, 1, 128, true>(p, plan.splits, stream)
                    : launch<T, 1, 64, true>(p, plan.splits, stream);
