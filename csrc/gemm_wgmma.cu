@@ -28,8 +28,8 @@
 //     m64n64k16, both operands read from shared memory) into float32
 //     registers, each taking every other block of 64 rows of x, and hand a
 //     stage back on its "empty" mbarrier once the products of the next one
-//     are under way. At 64 rows or fewer the second has no rows and sits out,
-//     leaving the SM's tensor cores to the first.
+//     are under way. In a CTA of 64 rows or fewer the second has no rows and
+//     sits out, leaving the SM's tensor cores to the first.
 //   - With SILU (GemvParams::silu_mul) the product is gate_up_proj's and the
 //     epilogue applies SiLU · mul: a tile's W is half gate rows, half the
 //     same up rows (two TMA boxes), and the row scale of the folded norm,
@@ -199,9 +199,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m_cta = min(m - m0, L::kRows);
   // --8<-- [start:busy]
   // A consumer whose blocks of rows all lie past the CTA's rows (the second
-  // one, at 64 rows or fewer) has nothing to multiply: it skips the main loop
-  // and leaves the SM's tensor cores to the other, and the stages' "empty"
-  // barriers count only the consumers that work.
+  // one, when the CTA has 64 rows or fewer) has nothing to multiply: it skips
+  // the main loop and leaves the SM's tensor cores to the other, and the
+  // stages' "empty" barriers count only the consumers that work.
   const int busy_consumers = min(kConsumers, (m_cta + 63) / 64);
   // --8<-- [end:busy]
   const int c_begin = split * chunks_per_split;
@@ -439,13 +439,14 @@ struct Plan {
 // counted at four times that rate), while its products are counted at 1.5 BN
 // cycles per block of 64 rows, and 1.5 x 64 more with SILU (x xᵀ). A consumer
 // multiplies each of its blocks, filled or not, unless it has no rows at all
-// (the second, at 64 rows or fewer). A split adds the sum of the partial
-// tiles through distributed shared memory. The constants were fitted by hand
+// (the second, in a CTA of 64 rows or fewer). A split adds the sum of the
+// partial tiles through distributed shared memory. The constants were fitted by hand
 // to a sweep of every plan on an H200 (benchmarks/kernels.py --tables
 // gemm_plans silu_plans): at Qwen3-0.6B's shapes up to 128 rows the plan they
 // pick is the sweep's fastest, but for down_proj at 32 and 64 rows, 0.67 and
-// 0.34 us behind it (there eight slices of K over tiles of 128 win; no setting
-// of these constants we tried picks that without a worse plan elsewhere).
+// 0.34 us behind it (there a split of K over clusters of 8 with tiles of 128
+// wins; no setting of these constants we tried picks that without a worse plan
+// elsewhere).
 double plan_cycles(const Plan& plan, int m, int n, int num_chunks, int clusters_at_once,
                    bool silu) {
   const int m_tiles = ceil_div(m, plan.rows);
