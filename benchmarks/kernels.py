@@ -433,6 +433,13 @@ GEMM_PLAN_ROWS = (32, 64, 96, 128, 192, 256)
 # The gemm_l2 table: decode batches on the GEMV (8, 16) and on gemm_wgmma.
 GEMM_L2_ROWS = (8, 16, 64, 128, 256)
 GEMM_PLAN_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def plan_variants(rows_per_cta: tuple[int, ...] = (128, 256)) -> dict[str, dict]:
+    """`gemm_wgmma`'s arguments for every plan of the sweeps, named
+    `r<rows>s<splits>t<outputs>` (the names `report_plans` reads)."""
+    return {f"r{r}s{s}t{t}": {"rows_per_cta": r, "splits": s, "tile_n": t}
+            for t in (128, 64) for r in rows_per_cta for s in GEMM_PLAN_SPLITS}
 GEMM_SHAPES = {"Qwen3-0.6B": GEMV_SHAPES["Qwen3-0.6B"][:4],
                "Qwen3-8B": GEMV_SHAPES["Qwen3-8B"][:2] + GEMV_SHAPES["Qwen3-8B"][3:4]}
 
@@ -1082,9 +1089,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"silu_plans: gate_up_proj + SiLU · mul on gemm_wgmma at every plan (tile width "
               f"x splits), {SILU_PLAN_ROWS} rows, bf16")
         result["silu_plans"] = bench_silu_epilogue(
-            copy_bw, device, rows=SILU_PLAN_ROWS,
-            variants={f"r128s{s}t{t}": {"splits": s, "tile_n": t}
-                      for t in (128, 64) for s in GEMM_PLAN_SPLITS})
+            copy_bw, device, rows=SILU_PLAN_ROWS, variants=plan_variants(rows_per_cta=(128,)))
         save()
     if "gemm" in tables:
         print(f"gemm: y = x @ W.T at {GEMM_ROWS} rows, gemm_wgmma vs cuBLAS (F.linear), bf16")
@@ -1104,10 +1109,7 @@ def run(args: argparse.Namespace) -> dict:
               f"{GEMM_PLAN_ROWS} rows, bf16")
         result["gemm_plans"] = bench_gemv(
             copy_bw, device, rows=GEMM_PLAN_ROWS, shapes={"Qwen3-0.6B": GEMM_SHAPES["Qwen3-0.6B"]},
-            product=gemm_wgmma, variants={f"r{r}s{s}t{t}": {"rows_per_cta": r, "splits": s,
-                                                             "tile_n": t}
-                                          for t in (128, 64) for r in (128, 256)
-                                          for s in GEMM_PLAN_SPLITS})
+            product=gemm_wgmma, variants=plan_variants())
         save()
     return result
 
