@@ -143,6 +143,34 @@ PYBIND11_MODULE(_C, m) {
       py::arg("key_stride"), py::arg("value_stride"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
+      "stage_step_inputs",
+      [](std::uintptr_t dst, std::uintptr_t src, int64_t nbytes, std::uintptr_t table_dst,
+         std::uintptr_t table_src, int64_t table_rows, int64_t table_width, int64_t table_pitch,
+         std::uintptr_t ids, std::uintptr_t fixes, std::uintptr_t prev, int num_fixes,
+         std::uintptr_t stream) {
+        StageParams p;
+        p.dst = as_ptr<void>(dst);
+        p.src = as_ptr<const void>(src);
+        p.nbytes = nbytes;
+        p.table_dst = as_ptr<int32_t>(table_dst);
+        p.table_src = as_ptr<const int32_t>(table_src);
+        p.table_rows = table_rows;
+        p.table_width = table_width;
+        p.table_pitch = table_pitch;
+        p.ids = as_ptr<int64_t>(ids);
+        p.fixes = as_ptr<const int64_t>(fixes);
+        p.prev = as_ptr<const int64_t>(prev);
+        p.num_fixes = num_fixes;
+        stage_step_inputs(p, as_stream(stream));
+      },
+      "A decode step's inputs from pinned host memory into a graph's buffers, then the "
+      "token fixes ids[row] = prev[src].",
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("table_dst"),
+      py::arg("table_src"), py::arg("table_rows"), py::arg("table_width"),
+      py::arg("table_pitch"), py::arg("ids"), py::arg("fixes"), py::arg("prev"),
+      py::arg("num_fixes"), py::arg("stream"));
+
+  m.def(
       "gather_kv_cache",
       [](std::uintptr_t k_out, std::uintptr_t v_out, std::uintptr_t k_cache,
          std::uintptr_t v_cache, std::uintptr_t block_tables, std::uintptr_t cu_seqlens,

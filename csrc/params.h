@@ -155,4 +155,23 @@ struct GatherParams {
 };
 void gather_kv_cache(const GatherParams& p, cudaStream_t stream);
 
+// A decode step's inputs from a pinned host mirror into a graph's static
+// buffers (csrc/step_inputs.cu): the packed rows, the block table, then
+// ids[row] = prev[src] for each (row, src) of `fixes`.
+struct StageParams {
+  void* dst = nullptr;          // device: the packed rows
+  const void* src = nullptr;    // pinned host: the same bytes
+  int64_t nbytes = 0;
+  int32_t* table_dst = nullptr;        // device [table_rows, table_pitch]
+  const int32_t* table_src = nullptr;  // pinned host [table_rows, table_width]
+  int64_t table_rows = 0;
+  int64_t table_width = 0;
+  int64_t table_pitch = 0;
+  int64_t* ids = nullptr;             // device: the input ids the fixes write
+  const int64_t* fixes = nullptr;     // device [num_fixes, 2]: (row of ids, row of prev)
+  const int64_t* prev = nullptr;      // device: the previous step's sampled ids
+  int num_fixes = 0;
+};
+void stage_step_inputs(const StageParams& p, cudaStream_t stream);
+
 }  // namespace mini_vllm

@@ -8,8 +8,9 @@ batch size reading fixed input buffers, and replays them with one call.
     capture sizes   1  2  4  8  16  24  32  ...  max            (a graph each; small
                                                                   sizes one per context
                                                                   bound, see below)
-    static inputs   input_ids, positions, slot_mapping   [3, max]  int64
-                    context_lens, decode order           [2, max]  int32
+    static inputs   input_ids, positions, slot_mapping   [3, bs]   int64   (one flat
+                    context_lens, decode order           [2, bs]   int32    buffer, laid
+                                                                            out per size)
                     block_tables                         [max, W]  int32
     a step of n sequences runs the graph of the smallest size bs >= n:
 
@@ -25,7 +26,8 @@ batch size reading fixed input buffers, and replays them with one call.
 Padded rows compute garbage that nothing reads: their K/V are not written
 and their logits are sliced off. The graphs share one memory pool, captured
 largest first so that the smaller ones reuse its blocks; their outputs alias,
-so a replay's logits are valid until the next replay.
+so a replay's logits are valid until the next replay. A step's inputs reach
+the static buffers from a pinned host mirror in one call (`DecodeInputs`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mini_vllm.attention import KVCache
 from mini_vllm.cuda_backend import AttentionSplit, CudaAttentionBackend, CudaAttentionMetadata
+from mini_vllm.ops._extension import extension, is_available
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +93,7 @@ def capture_stream(device: torch.device) -> Iterator[None]:
 
 # --8<-- [start:token_inputs]
 class TokenInputs:
-    """A graph's static `[3, n]` int64 input rows: ids, positions, slots.
+    """A piecewise graph's static `[3, n]` int64 input rows: ids, positions, slots.
 
     Rows past a step's tokens keep id 0, position 0 and slot -1 (the KV write
     skips them). One copy fills all three rows; the ids of tokens sampled by
@@ -107,6 +112,126 @@ class TokenInputs:
             rows, ids = token_fixes
             self.rows[0].index_copy_(0, rows, ids.to(torch.int64))
 # --8<-- [end:token_inputs]
+
+
+class HostInputs(NamedTuple):
+    """Numpy views of `DecodeInputs`' pinned mirror for one step, to fill in place."""
+
+    rows: np.ndarray  # [3, bs] int64: ids, positions, slots
+    seq: np.ndarray  # [2, bs] int32: context lengths, decode order
+    fixes: np.ndarray  # [bs, 2] int64: (row of ids, row of the previous sample), first k
+    tables: np.ndarray  # [bs, w] int32: block tables, w <= W
+
+
+# --8<-- [start:decode_inputs]
+class DecodeInputs:
+    """The decode graphs' static inputs, and the pinned host mirror a step fills.
+
+    The graph of batch size `bs` reads one flat device buffer, laid out for
+    its size (the graphs take turns, so they share it), and the first `bs`
+    rows of one block table:
+
+        flat   byte 0        [3, bs] int64    ids, positions, slots
+               byte 24 bs    [2, bs] int32    context lengths, decode order
+               byte 32 bs    [k, 2]  int64    token fixes: (row of ids, row of prev)
+        tables               [max, W] int32   block ids, W = max_model_len / block_size
+
+    A step writes its inputs into the host mirror (`host`: the same flat
+    layout, and a compact `[bs, w]` table for the `w` blocks its longest
+    context needs), then `stage` moves them in one call of the extension: a
+    copy of the flat bytes, a 2-D copy of the table into the first `w`
+    columns of its rows (columns past `w` keep stale ids that no context
+    reaches), and a kernel that writes into the ids the tokens the previous
+    step sampled (`prev`, which never visits the host). Without the extension
+    (the CPU, or no build) the same moves are torch operations.
+
+    The mirror is rewritten only after the last `stage`'s copies have left it
+    (an event, normally long done).
+    """
+
+    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.device = device
+        self.max_size, self.width = max_size, max_blocks_per_seq
+        cuda = device.type == "cuda"
+        self.flat = torch.zeros(48 * max_size, dtype=torch.uint8, device=device)
+        self.tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._host_flat = torch.zeros(48 * max_size, dtype=torch.uint8, pin_memory=cuda)
+        self._host_tables = torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32,
+                                        pin_memory=cuda)
+        self._flat_np, self._tables_np = self._host_flat.numpy(), self._host_tables.numpy()
+        self._copied = torch.cuda.Event() if cuda else None
+        self._ext = extension() if cuda and is_available() else None
+        self._views: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def rows(self, bs: int) -> torch.Tensor:
+        """The graph of size `bs`'s `[3, bs]` int64 ids / positions / slots."""
+        return self.flat[: 24 * bs].view(torch.int64).view(3, bs)
+
+    def seq(self, bs: int) -> torch.Tensor:
+        """The graph of size `bs`'s `[2, bs]` int32 context lengths / decode order."""
+        return self.flat[24 * bs : 32 * bs].view(torch.int32).view(2, bs)
+
+    def host(self, bs: int, width: int) -> HostInputs:
+        """The mirror's views for a step of size `bs` whose tables are `width` wide."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the last stage's copies still read the mirror
+        views = self._views.get(bs)
+        if views is None:
+            f = self._flat_np
+            views = self._views[bs] = (f[: 24 * bs].view(np.int64).reshape(3, bs),
+                                       f[24 * bs : 32 * bs].view(np.int32).reshape(2, bs),
+                                       f[32 * bs : 48 * bs].view(np.int64).reshape(bs, 2))
+        return HostInputs(*views, self._tables_np[: bs * width].reshape(bs, width))
+
+    def stage(self, bs: int, width: int, num_fixes: int, prev: torch.Tensor | None,
+              stream: torch.cuda.Stream | None = None) -> None:
+        """Move what `host(bs, width)` holds into the graph's buffers; apply the fixes.
+
+        Args:
+            bs: the graph's batch size.
+            width: the tables' width, as given to `host`.
+            num_fixes: the first `num_fixes` rows of `host(...).fixes` to apply.
+            prev: `[M]` int64, the previous step's sampled ids (on the device),
+                which the fixes index; unused when `num_fixes` is 0.
+            stream: the current CUDA stream, if the caller has it at hand.
+        """
+        if not 0 < width <= self.width or not 0 < bs <= self.max_size:
+            raise ValueError(f"stage: bs {bs} / width {width} outside {self.max_size} / "
+                             f"{self.width}")
+        if num_fixes:
+            if prev is None or prev.device != self.flat.device:
+                raise ValueError(f"stage: the fixes need prev, the previous step's sampled "
+                                 f"ids on {self.flat.device}")
+            if prev.dtype != torch.int64 or not prev.is_contiguous():
+                prev = prev.to(torch.int64).contiguous()
+        nbytes = 32 * bs + 16 * num_fixes
+        if self._ext is not None:
+            stream = stream or torch.cuda.current_stream(self.device)
+            flat = self.flat.data_ptr()
+            self._ext.stage_step_inputs(
+                flat, self._host_flat.data_ptr(), nbytes, self.tables.data_ptr(),
+                self._host_tables.data_ptr(), bs, width, self.width, flat, flat + 32 * bs,
+                prev.data_ptr() if num_fixes else 0, num_fixes, stream.cuda_stream)
+        else:
+            self.flat[:nbytes].copy_(self._host_flat[:nbytes], non_blocking=True)
+            self.tables[:bs, :width].copy_(self._host_tables[: bs * width].view(bs, width),
+                                           non_blocking=True)
+            if num_fixes:
+                fixes = self.flat[32 * bs : nbytes].view(torch.int64).view(num_fixes, 2)
+                self.rows(bs)[0].index_copy_(0, fixes[:, 0], prev.index_select(0, fixes[:, 1]))
+        if self._copied is not None:
+            self._copied.record(stream)
+
+    def reset(self, bs: int) -> None:
+        """Padding in every row of size `bs`'s inputs (before its capture)."""
+        view = self.host(bs, 1)
+        view.rows[:] = 0
+        view.rows[2] = -1
+        view.seq[0] = 1
+        view.seq[1] = np.arange(bs)
+        view.tables[:] = 0
+        self.stage(bs, 1, 0, None)
+# --8<-- [end:decode_inputs]
 
 
 # --8<-- [start:capture_sizes]
@@ -172,11 +297,7 @@ class CudaGraphRunner:
         self.max_size = self.sizes[-1]
         self.device = device
         n = self.max_size
-        self.token_inputs = TokenInputs(n, device)
-        # Rows of `seq_inputs`: context lengths, the decode kernel's order.
-        self.seq_inputs = torch.ones(2, n, dtype=torch.int32, device=device)
-        self.seq_inputs[1] = torch.arange(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.inputs = DecodeInputs(n, max_blocks_per_seq, device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         # Per batch size, the context bounds it has a graph for, ascending.
         self.bounds = {bs: bounds(bs) if bounds else [max_context_len] for bs in self.sizes}
@@ -192,22 +313,22 @@ class CudaGraphRunner:
         # The host lists describe the padded capture-time batch; the decode
         # path reads only the device tensors and the bound.
         return CudaAttentionMetadata(
-            slot_mapping=self.token_inputs.rows[2, :bs],
+            slot_mapping=self.inputs.rows(bs)[2],
             query_start_loc=self.query_start_loc[: bs + 1],
-            context_lens=self.seq_inputs[0, :bs],
-            block_tables=self.block_tables[:bs],
+            context_lens=self.inputs.seq(bs)[0],
+            block_tables=self.inputs.tables[:bs],
             max_query_len=1,
             max_context_len=bound,
             query_start_loc_cpu=list(range(bs + 1)),
             context_lens_cpu=[1] * bs,
             num_decodes=bs,
             decode_max_context_len=bound,  # sizes the decode kernel's grid
-            decode_order=self.seq_inputs[1, :bs],
+            decode_order=self.inputs.seq(bs)[1],
         )
 
     def _run_eager(self, bs: int, bound: int) -> torch.Tensor:
-        return self.forward(self.token_inputs.rows[0, :bs], self.token_inputs.rows[1, :bs],
-                            self.kv_caches, self._metadata(bs, bound))
+        rows = self.inputs.rows(bs)
+        return self.forward(rows[0], rows[1], self.kv_caches, self._metadata(bs, bound))
 
     # --8<-- [start:capture]
     @torch.inference_mode()
@@ -221,6 +342,7 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         with capture_stream(self.device):
             for bs in reversed(self.sizes):
+                self.inputs.reset(bs)  # the sizes share the buffer: padding in this one's layout
                 for bound in reversed(self.bounds[bs]):
                     self._run_eager(bs, bound)  # warm-up: handles, workspaces, lazy init
                     torch.cuda.synchronize(self.device)
@@ -236,34 +358,18 @@ class CudaGraphRunner:
     # --8<-- [end:capture]
 
     # --8<-- [start:replay]
-    def run(self, token_inputs: torch.Tensor, seq_inputs: torch.Tensor,
-            block_tables: torch.Tensor,
-            token_fixes: tuple[torch.Tensor, torch.Tensor] | None = None,
-            max_context_len: int | None = None) -> torch.Tensor:
-        """Fill the static buffers and replay the graph of their padded size.
+    def replay(self, bs: int, max_context_len: int | None = None) -> torch.Tensor:
+        """Replay the graph of size `bs` over what `inputs.stage` last moved in.
 
         Args:
-            token_inputs: `[3, bs]` int64 ids / positions / slots, padded to a
-                captured size `bs` as the module docstring shows.
-            seq_inputs: `[2, bs]` int32: the context lengths, padded with 1,
-                then a permutation of the rows for the decode kernel's grid
-                (`ops.longest_first` of the first row).
-            block_tables: `[bs, w]` int32 with `w <= W`, padded rows all 0;
-                columns past `w` keep stale block ids that no context reaches.
-            token_fixes: `(rows, ids)` device tensors: input ids to overwrite
-                after the copy (tokens sampled by the previous step, never on
-                the host).
+            bs: a captured batch size (`padded_size`).
             max_context_len: the longest context of the step (a host int):
                 picks the graph of the smallest bound that holds it; None:
                 the largest.
 
         Returns:
-            `[bs, vocab]` float32 logits (a graph output: valid until the next run).
+            `[bs, vocab]` logits (a graph output: valid until the next replay).
         """
-        bs, width = block_tables.shape
-        self.token_inputs.fill(token_inputs, token_fixes)
-        self.seq_inputs[:, :bs].copy_(seq_inputs)
-        self.block_tables[:bs, :width].copy_(block_tables)
         bounds = self.bounds[bs]
         bound = bounds[-1]
         if max_context_len is not None:
@@ -466,5 +572,6 @@ class PiecewiseGraphRunner:
     # --8<-- [end:piecewise_replay]
 
 
-__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "PiecewiseGraphRunner",
-           "TokenInputs", "capture_sizes", "capture_stream", "context_bounds", "piecewise_sizes"]
+__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeInputs", "HostInputs",
+           "PiecewiseGraphRunner", "TokenInputs", "capture_sizes", "capture_stream",
+           "context_bounds", "piecewise_sizes"]

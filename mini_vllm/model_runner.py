@@ -230,6 +230,9 @@ class ModelRunner:
         # forward (after its inputs were copied): with an event after it, it
         # times the step on the GPU, without the host's work of preparing it.
         self.step_start: torch.cuda.Event | None = None
+        # The stream the last step was launched on (asking for the current
+        # stream costs the host microseconds: a step asks once).
+        self.step_stream: torch.cuda.Stream | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.graph_memory_bytes = 0  # what the CUDA graphs' memory pool holds
@@ -496,10 +499,11 @@ class ModelRunner:
             num_sms(self.device), default_decode_version(cfg.head_dim, self.block_size))
         return (size, splits) if splits > 1 else (0, 1)  # one split: the size is moot
 
-    def _mark_step_start(self) -> None:
+    def _mark_step_start(self, stream: torch.cuda.Stream | None = None) -> None:
         if self.device.type == "cuda":  # (the fast path also runs on the CPU in tests)
+            self.step_stream = stream or torch.cuda.current_stream(self.device)
             self.step_start = torch.cuda.Event(enable_timing=True)
-            self.step_start.record()
+            self.step_start.record(self.step_stream)
 
     # --8<-- [start:execute_fast]
     @torch.inference_mode()
@@ -594,22 +598,24 @@ class ModelRunner:
         """A decode-only step through the CUDA graph of batch size `padded`."""
         n = len(entries)
         host = self._host_layout(entries, query_lens, starts, num_rows=padded)
-        token_inputs = _token_rows(host, padded)
-        seq_inputs = np.ones((2, padded), dtype=np.int32)  # padded rows: one (junk) token
-        seq_inputs[0, :n] = host["context_lens"]
-        seq_inputs[1] = longest_first(seq_inputs[0])  # the order the decode grid takes
-        has_prev = prev_rows >= 0
-        arrays = [token_inputs, seq_inputs, host["block_tables"],
-                  np.flatnonzero(has_prev), prev_rows[has_prev],  # placeholder rows, sources
-                  np.flatnonzero(sample)]
-        views = self.staging.to_device(arrays)
-        token_fixes = None
-        if has_prev.any():
-            token_fixes = (views[3], prev_sampled.index_select(0, views[4]))
-        self._mark_step_start()
-        logits = self.graph_runner.run(views[0], views[1], views[2], token_fixes,
-                                       max_context_len=int(host["context_lens"].max()))
-        return logits[:n] if sample.all() else logits[views[5]]  # of [padded, vocab]
+        inputs = self.graph_runner.inputs
+        view = inputs.host(padded, host["block_tables"].shape[1])  # the pinned mirror
+        view.rows[:, :n] = host["input_ids"], host["positions"], host["slot_mapping"]
+        view.rows[:, n:] = ((0,), (0,), (-1,))  # padding rows: id 0, position 0, no slot
+        view.seq[0, :n] = host["context_lens"]
+        view.seq[0, n:] = 1  # padding rows: one (junk) token
+        view.seq[1] = longest_first(view.seq[0])  # the order the decode grid takes
+        view.tables[:] = host["block_tables"]
+        fix_rows = np.flatnonzero(prev_rows >= 0)  # placeholders: take the previous sample
+        view.fixes[: len(fix_rows), 0] = fix_rows
+        view.fixes[: len(fix_rows), 1] = prev_rows[fix_rows]
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        inputs.stage(padded, view.tables.shape[1], len(fix_rows), prev_sampled, stream)
+        self._mark_step_start(stream)
+        logits = self.graph_runner.replay(padded, int(host["context_lens"].max()))
+        if sample.all():
+            return logits[:n]  # of [padded, vocab]
+        return logits[torch.from_numpy(np.flatnonzero(sample)).to(logits.device)]
     # --8<-- [end:replay_decode]
 
     # --8<-- [start:run_flat]

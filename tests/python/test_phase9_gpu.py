@@ -12,6 +12,7 @@ import gc
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_phase2 import Blocks, random_prompts  # phase 9 reuses phase 2's test helpers
@@ -21,6 +22,7 @@ from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.cuda_backend import CudaAttentionBackend
 from mini_vllm.cuda_graphs import (
     CudaGraphRunner,
+    DecodeInputs,
     PiecewiseGraphRunner,
     capture_sizes,
     piecewise_sizes,
@@ -180,6 +182,52 @@ def test_piecewise_layout_matches_reference_on_cpu(
     assert pieces.qkv_out.data_ptr() in qkv_ptrs
     assert pieces.qkv_out.shape == (64, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
                                     * cfg.head_dim)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not ops.is_available(), reason=ops.unavailable_reason() or "kernels built")]),
+])
+def test_decode_inputs_stage_moves_the_mirror_and_applies_the_fixes(device: str) -> None:
+    """`DecodeInputs.stage` (the extension's one call on a GPU, torch on the CPU): the
+    flat rows land in the size's layout, the compact table in the first `width`
+    columns of its rows, and each fixed id becomes the previous sample it names."""
+    rng = np.random.default_rng(0)
+    max_size, max_width = 16, 12
+    inputs = DecodeInputs(max_size, max_width, torch.device(device))
+    inputs.flat.fill_(0xAB)  # poison: bytes a stage does not write keep it
+    inputs.tables.fill_(-7)
+    for bs, width, k in [(1, 1, 1), (5, 7, 3), (16, 12, 0), (8, 3, 8), (16, 2, 16)]:
+        view = inputs.host(bs, width)
+        rows = rng.integers(-1, 10**6, (3, bs))
+        seq = rng.integers(1, 10**4, (2, bs))
+        tables = rng.integers(0, 10**4, (bs, width))
+        fix_rows, fix_src = rng.permutation(bs)[:k], rng.integers(0, 20, k)
+        prev = torch.from_numpy(rng.integers(0, 10**6, 20)).to(device)
+        view.rows[:], view.seq[:], view.tables[:] = rows, seq, tables
+        view.fixes[:k, 0], view.fixes[:k, 1] = fix_rows, fix_src
+        before = inputs.tables.clone()
+        inputs.stage(bs, width, k, prev)
+        ids = rows[0].copy()
+        ids[fix_rows] = prev.cpu().numpy()[fix_src]
+        got = inputs.rows(bs).cpu().numpy()
+        assert (got[0] == ids).all() and (got[1:] == rows[1:]).all()
+        assert (inputs.seq(bs).cpu().numpy() == seq).all()
+        assert (inputs.tables[:bs, :width].cpu().numpy() == tables).all()
+        assert torch.equal(inputs.tables[:bs, width:], before[:bs, width:])  # stale, untouched
+        assert torch.equal(inputs.tables[bs:], before[bs:])
+    # Previous samples of another integer type are taken as int64.
+    view = inputs.host(2, 1)
+    view.rows[0], view.fixes[0] = (5, 6), (1, 0)
+    inputs.stage(2, 1, 1, torch.tensor([42], dtype=torch.int32, device=device))
+    assert inputs.rows(2)[0].tolist() == [5, 42]
+    with pytest.raises(ValueError, match="previous step's sampled ids"):
+        inputs.stage(2, 1, 1, None)
+    with pytest.raises(ValueError, match="width"):
+        inputs.stage(2, max_width + 1, 0, None)
+    with pytest.raises(ValueError, match="bs"):
+        inputs.stage(max_size + 1, 1, 0, None)
 
 
 def test_piecewise_sizes() -> None:
