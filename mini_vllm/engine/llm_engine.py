@@ -310,9 +310,10 @@ class LLMEngine:
             logits = self.model_runner.execute(  # [len(sampling), V]
                 entries, prev.sampled if prev is not None else None, float_logits=False)
             start = self.model_runner.step_start  # where the step's GPU work begins
+            stream = self.model_runner.step_stream  # the step's stream (None on the CPU)
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 self._last_sampling = None
-                return _Step([], _HostCopy(None, start), {}, None, False)
+                return _Step([], _HostCopy(None, start, stream=stream), {}, None, False)
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except Exception as e:  # fail these requests, keep the engine alive
@@ -322,7 +323,8 @@ class LLMEngine:
         rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
         return _Step(
             rows=rows,
-            host=_HostCopy(sampled, start, decode_only=sched.num_prefill_tokens == 0),
+            host=_HostCopy(sampled, start, decode_only=sched.num_prefill_tokens == 0,
+                           stream=stream),
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
             needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
@@ -607,8 +609,9 @@ class _HostCopy:
     """
 
     def __init__(self, out: SamplerOutput | None, start: torch.cuda.Event | None = None,
-                 decode_only: bool = False) -> None:
-        """`out` None: a step that sampled nothing, timed only."""
+                 decode_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
+        """`out` None: a step that sampled nothing, timed only. `stream`: the step's
+        stream, if known (else the current one)."""
         self.start, self.decode_only = start, decode_only
         tensors = []
         if out is not None:
@@ -621,7 +624,7 @@ class _HostCopy:
                 host.copy_(dev, non_blocking=True)
             self.event: torch.cuda.Event | None = torch.cuda.Event(
                 enable_timing=start is not None)
-            self.event.record()
+            self.event.record(stream)
         else:
             self.tensors, self.event, self.start = tensors, None, None
 
