@@ -173,6 +173,9 @@ class DecodeInputs:
 
     def host(self, bs: int, width: int) -> HostInputs:
         """The mirror's views for a step of size `bs` whose tables are `width` wide."""
+        if not 0 < width <= self.width or not 0 < bs <= self.max_size:
+            raise ValueError(f"DecodeInputs: bs {bs} / width {width} outside 1..{self.max_size} "
+                             f"/ 1..{self.width}")
         if self._copied is not None and not self._copied.query():
             self._copied.synchronize()  # the last stage's copies still read the mirror
         views = self._views.get(bs)
@@ -196,12 +199,22 @@ class DecodeInputs:
             stream: the current CUDA stream, if the caller has it at hand.
         """
         if not 0 < width <= self.width or not 0 < bs <= self.max_size:
-            raise ValueError(f"stage: bs {bs} / width {width} outside {self.max_size} / "
-                             f"{self.width}")
+            raise ValueError(f"DecodeInputs: bs {bs} / width {width} outside 1..{self.max_size} "
+                             f"/ 1..{self.width}")
+        if not 0 <= num_fixes <= bs:
+            raise ValueError(f"stage: num_fixes {num_fixes} outside 0..{bs}")
         if num_fixes:
             if prev is None or prev.device != self.flat.device:
                 raise ValueError(f"stage: the fixes need prev, the previous step's sampled "
                                  f"ids on {self.flat.device}")
+            # The kernel writes where the fixes say: check them here, not on the device.
+            if bs not in self._views:
+                raise ValueError(f"stage: fill host({bs}, ...) first")
+            fixes = self._views[bs][2][:num_fixes]
+            if (fixes.min() < 0 or fixes[:, 0].max() >= bs
+                    or fixes[:, 1].max() >= prev.shape[0]):
+                raise ValueError(f"stage: a fix is outside the {bs} rows or the "
+                                 f"{prev.shape[0]} previous samples")
             if prev.dtype != torch.int64 or not prev.is_contiguous():
                 prev = prev.to(torch.int64).contiguous()
         nbytes = 32 * bs + 16 * num_fixes
@@ -340,6 +353,10 @@ class CudaGraphRunner:
         """
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        # Each size's capture writes its padding over the shared buffer: what a
+        # step staged before a (re)capture is put back after it, so that a graph
+        # replayed without a new stage (a benchmark's) reads a step, not padding.
+        saved = self.inputs.flat.clone(), self.inputs.tables.clone()
         with capture_stream(self.device):
             for bs in reversed(self.sizes):
                 self.inputs.reset(bs)  # the sizes share the buffer: padding in this one's layout
@@ -353,6 +370,8 @@ class CudaGraphRunner:
                     finally:
                         graph.capture_end()
                     self.graphs[bs, bound], self.outputs[bs, bound] = graph, out
+        self.inputs.flat.copy_(saved[0])
+        self.inputs.tables.copy_(saved[1])
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s",
                     len(self.graphs), self.sizes[0], self.max_size, time.perf_counter() - start)
     # --8<-- [end:capture]
@@ -550,7 +569,7 @@ class PiecewiseGraphRunner:
                 `num_tokens` tokens, padded to a captured size `S`.
             meta: the step's attention metadata (its first `num_tokens` rows).
             num_tokens: the step's real tokens.
-            token_fixes: `(rows, ids)`, as in `CudaGraphRunner.run`.
+            token_fixes: `(rows, ids)`, as in `TokenInputs.fill`.
 
         Returns:
             `[num_tokens, hidden]` last hidden states (graph memory: valid

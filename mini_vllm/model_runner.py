@@ -615,7 +615,7 @@ class ModelRunner:
         logits = self.graph_runner.replay(padded, int(host["context_lens"].max()))
         if sample.all():
             return logits[:n]  # of [padded, vocab]
-        return logits[torch.from_numpy(np.flatnonzero(sample)).to(logits.device)]
+        return logits[self.staging.to_device([np.flatnonzero(sample)])[0]]  # no host sync
     # --8<-- [end:replay_decode]
 
     # --8<-- [start:run_flat]

@@ -123,7 +123,7 @@ def test_fast_path_host_logic_matches_reference_on_cpu(
 ) -> None:
     """The GPU path's batch layout (decodes first, padded graph batches) on the CPU."""
     ref, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
-    # Graph buffers without capture: `run` executes the padded batch eagerly.
+    # Graph buffers without capture: `replay` runs the padded batch eagerly.
     fast.graph_runner = CudaGraphRunner(fast._forward_logits, fast.kv_caches, capture_sizes(8),
                                         max_blocks_per_seq=256 // BLOCK_SIZE,
                                         max_context_len=256, device=fast.device)
@@ -207,8 +207,9 @@ def test_decode_inputs_stage_moves_the_mirror_and_applies_the_fixes(device: str)
         prev = torch.from_numpy(rng.integers(0, 10**6, 20)).to(device)
         view.rows[:], view.seq[:], view.tables[:] = rows, seq, tables
         view.fixes[:k, 0], view.fixes[:k, 1] = fix_rows, fix_src
-        before = inputs.tables.clone()
+        before, flat_before = inputs.tables.clone(), inputs.flat.clone()
         inputs.stage(bs, width, k, prev)
+        assert torch.equal(inputs.flat[32 * bs + 16 * k:], flat_before[32 * bs + 16 * k:])
         ids = rows[0].copy()
         ids[fix_rows] = prev.cpu().numpy()[fix_src]
         got = inputs.rows(bs).cpu().numpy()
@@ -224,10 +225,17 @@ def test_decode_inputs_stage_moves_the_mirror_and_applies_the_fixes(device: str)
     assert inputs.rows(2)[0].tolist() == [5, 42]
     with pytest.raises(ValueError, match="previous step's sampled ids"):
         inputs.stage(2, 1, 1, None)
-    with pytest.raises(ValueError, match="width"):
+    with pytest.raises(ValueError, match=f"width {max_width + 1} outside"):
         inputs.stage(2, max_width + 1, 0, None)
-    with pytest.raises(ValueError, match="bs"):
-        inputs.stage(max_size + 1, 1, 0, None)
+    with pytest.raises(ValueError, match=f"bs {max_size + 1} /"):
+        inputs.host(max_size + 1, 1)
+    one = torch.tensor([7], device=device)
+    with pytest.raises(ValueError, match="num_fixes 3 outside"):
+        inputs.stage(2, 1, 3, one)
+    view.fixes[0] = (1, 1)  # the second previous sample, of one
+    with pytest.raises(ValueError, match="a fix is outside"):
+        inputs.stage(2, 1, 1, one)
+    assert inputs.rows(2)[0].tolist() == [5, 42]  # nothing was moved
 
 
 def test_piecewise_sizes() -> None:
