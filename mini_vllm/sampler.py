@@ -305,7 +305,7 @@ class SamplingMetadata:
         if (self.noise_seeds is None or not self.keyed or self.min_tokens_index is not None
                 or self.repetition_penalties is not None or self.output_token_counts is not None):
             return None
-        self.noise_seeds.select(1, 1).add_(1)  # in place: no copy back through __setitem__
+        self.noise_seeds.select(1, 1).add_(1)  # in place, without a trip through __setitem__
         return self
     # --8<-- [end:next_step]
 
