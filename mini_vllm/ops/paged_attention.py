@@ -40,10 +40,6 @@ V7_MAX_PARTITION_SIZE = 8192
 # Split until the grid has this many CTAs per SM: measured on an H200, fewer
 # and longer partitions win as soon as every SM has two (chapter 8).
 _TARGET_CTAS_PER_SM = 2
-# Contexts up to this long are read by one partition whatever the grid: a few
-# tiles per CTA take less time than the launch of the split-K combine (measured
-# on an H200: the batch-1 decode graph at a 128-token context, chapter 9).
-_NO_SPLIT_MAX_CONTEXT = 256
 
 
 # Versions 5 and 6 serve at most this many query heads per CTA: with 4
@@ -124,8 +120,7 @@ def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
     the grid (CTAs per split x splits) has fewer than two CTAs per SM, down to
     64 tokens and up to 32 splits per sequence: a batch of 64 x 8 KV heads
     already fills an H200 (no split), a single sequence of 1k tokens gets 16
-    partitions of 64, one of 8k tokens 32 partitions of 256. Contexts of up
-    to 256 tokens are not split at all.
+    partitions of 64, one of 8k tokens 32 partitions of 256.
 
     Args:
         num_seqs: sequences in the batch.
@@ -143,8 +138,6 @@ def decode_partition_size(num_seqs: int, num_q_heads: int, num_kv_heads: int,
     ctas_per_split = num_seqs * (num_q_heads // group_per_cta)
     longest = max(max_context_len, 1)
     size = min(max_partition_size, 1 << (longest - 1).bit_length())
-    if longest <= _NO_SPLIT_MAX_CONTEXT:
-        return size
     target = _TARGET_CTAS_PER_SM * num_sms
     while (size > MIN_PARTITION_SIZE and ctas_per_split * -(-longest // size) < target
            and -(-longest // (size // 2)) <= MAX_SPLITS_PER_SEQ):

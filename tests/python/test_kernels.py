@@ -733,18 +733,13 @@ def test_partition_size_heuristic() -> None:
         splits = math.ceil(ctx / size)
         grid = seqs * 8 * splits
         # The grid has two CTAs per SM, or the partitions are as small as allowed, or one
-        # more halving would give a sequence more than 32 splits, or the context is
-        # short enough for one partition.
-        assert (grid >= 2 * 132 or size <= 64 or math.ceil(ctx / (size // 2)) > 32
-                or (splits == 1 and ctx <= 256))
+        # more halving would give a sequence more than 32 splits.
+        assert grid >= 2 * 132 or size <= 64 or math.ceil(ctx / (size // 2)) > 32
         assert splits <= 32 or size == 4096
     assert ops.decode_partition_size(256, 16, 8, 8192, 132) == 4096  # no split needed
     assert ops.decode_partition_size(64, 16, 8, 1024, 132) == 1024
     assert ops.decode_partition_size(1, 16, 8, 8192, 132) == 256
     assert ops.decode_partition_size(1, 16, 8, 1024, 132) == 64
-    assert ops.decode_partition_size(1, 16, 8, 256, 132) == 256  # short: one partition
-    assert ops.decode_partition_size(1, 16, 8, 257, 132) == 64
-    assert ops.decode_partition_size(8, 16, 8, 100, 132) == 128
     # Version 7 keeps a full grid's 8k contexts in one partition; the others split in two.
     assert decode_grid(64, 16, 8, 8192, 132, 7) == (8192, 1)
     assert decode_grid(64, 16, 8, 8192, 132, 5) == (4096, 2)

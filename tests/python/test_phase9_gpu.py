@@ -667,9 +667,8 @@ def test_small_batches_get_a_graph_per_context_bound() -> None:
         return of
 
     assert context_bounds(8256, grid(1)) == [*CONTEXT_BOUNDS, 8256]
-    # Each bound's grid is its own: 8,256 tokens in 17 partitions of 512, 1,024 in 16 of
-    # 64, 256 in one.
-    assert grid(1)(8256) == (512, 17) and grid(1)(1024) == (64, 16) and grid(1)(256) == (0, 1)
+    # Each bound's grid is its own: 8,256 tokens in 17 partitions of 512, 256 in 4 of 64.
+    assert grid(1)(8256) == (512, 17) and grid(1)(256) == (64, 4)
     # 2,048 CTAs need no split up to the longest partition (4,096 tokens).
     assert context_bounds(4096, grid(256)) == [4096]
     assert context_bounds(8256, grid(256)) == [4096, 8256]
