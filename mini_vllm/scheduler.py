@@ -26,6 +26,8 @@ from bisect import insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.sequence import Request, RequestStatus
@@ -43,7 +45,8 @@ class ScheduledRequest:
             (the position of its first new token).
         token_ids: the tokens to compute,
             `request.all_token_ids[start_pos : start_pos + num_new_tokens]`.
-        block_table: its block ids after this step's allocation.
+        block_table: its block ids after this step's allocation (a read-only
+            int32 array: `KVCacheManager.allocate_slots`).
         sample: whether a token is sampled after this step: true iff the
             step computes its last token (`start_pos + num_new_tokens ==
             request.num_tokens`); false for a prompt chunk that is not the last.
@@ -55,7 +58,7 @@ class ScheduledRequest:
     num_new_tokens: int
     start_pos: int
     token_ids: list[int]
-    block_table: list[int]
+    block_table: np.ndarray
     sample: bool
     is_prefill: bool
 
@@ -281,7 +284,7 @@ class Scheduler:
     # --8<-- [end:schedule]
 
     def _schedule_request(
-        self, out: SchedulerOutput, request: Request, num_new: int, block_table: list[int]
+        self, out: SchedulerOutput, request: Request, num_new: int, block_table: np.ndarray
     ) -> None:
         """Add a request to the step and advance its `num_computed_tokens`."""
         start = request.num_computed_tokens

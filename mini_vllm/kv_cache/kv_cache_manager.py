@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from mini_vllm.kv_cache.block_hash import extend_block_hashes
 from mini_vllm.kv_cache.block_pool import BlockPool, KVCacheBlock
 from mini_vllm.sequence import Request
@@ -92,9 +94,10 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # The same tables as block ids, kept alongside so that handing a
-        # table out each step is one list copy.
-        self.req_to_block_ids: dict[str, list[int]] = {}
+        # The same tables as block ids, in int32 arrays kept alongside (their
+        # first len(req_to_blocks[id]) entries): a step hands out a view, and the
+        # model runner copies them as arrays, never an int at a time (chapter 9).
+        self.req_to_block_ids: dict[str, np.ndarray] = {}
         # How many of a request's first blocks are entered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, counted when a request is admitted.
@@ -131,7 +134,9 @@ class KVCacheManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's block ids, in order (a new list; empty for an unknown id)."""
-        return list(self.req_to_block_ids.get(request_id, ()))
+        if request_id not in self.req_to_blocks:
+            return []
+        return self.req_to_block_ids[request_id][: len(self.req_to_blocks[request_id])].tolist()
 
     # --8<-- [start:get_computed_blocks]
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -190,8 +195,9 @@ class KVCacheManager:
             new_computed_blocks: prefix-cache hits of a request being admitted.
 
         Returns:
-            The request's whole block table, or `None` (and nothing changed)
-            when there are not enough free blocks.
+            The request's whole block table, a read-only int32 array (a view
+            that later allocations leave as it is), or `None` (and nothing
+            changed) when there are not enough free blocks.
         """
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
@@ -209,7 +215,10 @@ class KVCacheManager:
 
         if req_id not in self.req_to_blocks:  # admission: one prefix-cache lookup
             self.req_to_blocks[req_id] = req_blocks
-            self.req_to_block_ids[req_id] = []
+            # Room for a whole max_model_len request: it never grows past that.
+            self.req_to_block_ids[req_id] = np.empty(
+                max(self.num_blocks_for(self.max_model_len), num_to_allocate
+                    + len(new_computed_blocks)), dtype=np.int32)
             self.num_cached_blocks[req_id] = len(new_computed_blocks)
             if self.enable_caching:
                 self.queries += request.num_tokens
@@ -220,8 +229,13 @@ class KVCacheManager:
             new_blocks = list(new_computed_blocks)
             if num_to_allocate > 0:
                 new_blocks += self.block_pool.get_new_blocks(num_to_allocate)
+            start = len(req_blocks)
             req_blocks.extend(new_blocks)
-            block_ids.extend(b.block_id for b in new_blocks)
+            if len(req_blocks) > len(block_ids):  # past max_model_len: a larger array
+                grown = np.empty(2 * len(req_blocks), dtype=np.int32)
+                grown[:start] = block_ids[:start]
+                block_ids = self.req_to_block_ids[req_id] = grown
+            block_ids[start : len(req_blocks)] = [b.block_id for b in new_blocks]
 
         # --8<-- [start:cache_known_blocks]
         if self.enable_caching:
@@ -238,7 +252,9 @@ class KVCacheManager:
                 )
                 self.num_cached_blocks[req_id] = num_full
         # --8<-- [end:cache_known_blocks]
-        return list(block_ids)
+        table = block_ids[: len(req_blocks)]  # only appended to later: a stable view
+        table.flags.writeable = False
+        return table
     # --8<-- [end:allocate_slots]
 
     # --8<-- [start:free]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def compute(manager: KVCacheManager, request: Request, num_new: int) -> list[int
     table = manager.allocate_slots(request, num_new)
     if table is not None:
         request.num_computed_tokens += num_new
-    return table
+    return None if table is None else table.tolist()
 
 
 def admit(manager: KVCacheManager, request: Request) -> tuple[list[int] | None, int]:
@@ -48,7 +49,7 @@ def admit(manager: KVCacheManager, request: Request) -> tuple[list[int] | None, 
     table = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks)
     if table is not None:
         request.num_computed_tokens = request.num_tokens
-    return table, num_hit
+    return None if table is None else table.tolist(), num_hit
 
 
 def free_ids(manager_or_pool: KVCacheManager | BlockPool) -> list[int]:
@@ -121,6 +122,22 @@ def test_block_table_grows_across_block_boundaries() -> None:
     assert manager.usage == pytest.approx(1 / 5)
 
 
+def test_allocate_slots_hands_out_a_read_only_view_that_later_steps_leave_alone() -> None:
+    """The table a step gets is an int32 array (the runner joins them as arrays); the
+    next allocations append past it, so what a step was given stays what it was."""
+    manager = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False, max_model_len=8)
+    a = make_request("A", [10, 11, 12, 13, 14])
+    table = manager.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    assert table.dtype == np.int32 and not table.flags.writeable and table.tolist() == [1, 2]
+    with pytest.raises(ValueError):
+        table[0] = 3
+    for token in range(15, 24):  # past max_model_len's two blocks: the array grows
+        a.append_output_token(token)
+        assert compute(manager, a, 1) is not None
+    assert table.tolist() == [1, 2] and manager.get_block_table("A") == [1, 2, 3, 4]
+
+
 def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)  # ids 1..3
     a = make_request("A", list(range(9)))  # 3 blocks
@@ -129,7 +146,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks() ->
     assert manager.allocate_slots(b, 1) is None
     assert manager.get_block_table("B") == [] and manager.num_free_blocks == 0
     manager.free(a)
-    assert manager.allocate_slots(b, 1) == [3]  # A's last block is at the head now
+    assert manager.allocate_slots(b, 1).tolist() == [3]  # A's last block is at the head now
 
 
 def test_slot_mapping_of_a_chunk_spanning_three_blocks() -> None:

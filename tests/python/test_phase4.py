@@ -87,7 +87,7 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
 
 
 def tables(out: SchedulerOutput) -> dict[str, list[int]]:
-    return {s.request_id: s.block_table for s in out.scheduled}
+    return {s.request_id: s.block_table.tolist() for s in out.scheduled}
 
 
 # ------------------------------------------------------- continuous batching
@@ -135,13 +135,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_budget() -> None:
     out = step(sched)
     (chunk,) = out.scheduled
     assert (chunk.num_new_tokens, chunk.start_pos, chunk.sample) == (8, 0, False)
-    assert chunk.token_ids == a.prompt_token_ids[:8] and chunk.block_table == [1, 2]
+    assert chunk.token_ids == a.prompt_token_ids[:8] and chunk.block_table.tolist() == [1, 2]
 
     add(sched, "B", 3)
     out = step(sched)  # A takes the whole budget: B waits
     (chunk,) = out.scheduled
     assert (chunk.num_new_tokens, chunk.start_pos, chunk.sample) == (8, 8, False)
-    assert chunk.token_ids == a.prompt_token_ids[8:16] and chunk.block_table == [1, 2, 3, 4]
+    assert chunk.token_ids == a.prompt_token_ids[8:16] and chunk.block_table.tolist() == [1, 2, 3, 4]
     assert a.num_output_tokens == 0
 
     out = step(sched)  # A's last 4 prompt tokens, then B's prompt
@@ -218,7 +218,7 @@ def test_running_out_of_blocks_preempts_the_latest_arrival_which_resumes_later()
     (resumed,) = out.scheduled
     assert (resumed.request_id, resumed.start_pos, resumed.num_new_tokens) == ("B", 4, 5)
     assert resumed.token_ids == b.prompt_token_ids[4:] + [7, 7]
-    assert resumed.block_table == [3, 4, 2] and resumed.sample and resumed.is_prefill
+    assert resumed.block_table.tolist() == [3, 4, 2] and resumed.sample and resumed.is_prefill
     assert b.status == RequestStatus.RUNNING and b.output_token_ids == [7, 7, 7]
     assert b.num_cached_tokens == 0  # counted at its first admission only
 

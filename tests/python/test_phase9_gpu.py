@@ -184,6 +184,38 @@ def test_piecewise_layout_matches_reference_on_cpu(
                                     * cfg.head_dim)
 
 
+def test_host_layout_joins_array_tables_as_it_reads_lists(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's block tables are int32 arrays, joined whole; tables given as lists
+    are read an int at a time. Both give the same layout, tables longer than their
+    context included."""
+    _, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
+    rng = np.random.default_rng(0)
+    contexts, query_lens = [1, 7, 16, 17, 40], [1, 1, 3, 1, 9]
+    extra = [0, 2, 0, 1, 0]  # blocks past the context (a table may hold more)
+    tables = [rng.permutation(np.arange(1, NUM_BLOCKS))[: -(-c // BLOCK_SIZE) + x].tolist()
+              for c, x in zip(contexts, extra)]
+    q, starts = np.array(query_lens), np.array(contexts) - np.array(query_lens)
+
+    def entries(as_array: bool) -> list[BatchEntry]:
+        return [BatchEntry(list(range(1, ql + 1)), int(st),
+                           np.array(t, dtype=np.int32) if as_array else t)
+                for ql, st, t in zip(query_lens, starts, tables)]
+
+    for rows in (5, 8):
+        joined = fast._host_layout(entries(True), q, starts, rows)
+        read = fast._host_layout(entries(False), q, starts, rows)
+        assert joined.keys() == read.keys()
+        for key in read:
+            np.testing.assert_array_equal(joined[key], read[key], err_msg=key)
+    exact = [BatchEntry([1], c - 1, np.array(t[: -(-c // BLOCK_SIZE)], dtype=np.int32))
+             for c, t in zip(contexts, tables)]  # every table exactly its context's blocks
+    layout = fast._host_layout(exact, np.ones(5, dtype=np.int64), np.array(contexts) - 1, 5)
+    for i, (c, t) in enumerate(zip(contexts, tables)):
+        assert layout["block_tables"][i, : -(-c // BLOCK_SIZE)].tolist() == t[: -(-c // BLOCK_SIZE)]
+
+
 @pytest.mark.parametrize("device", [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
