@@ -24,6 +24,12 @@ at the end, side by side (`profile_postprocess`); it needs no GPU:
 
     python benchmarks/step_profile.py --postprocess --preset tiny --context 16 --steps 100
 
+With `--host-layout`, only the runner's host arithmetic of a decode step
+(`ModelRunner._host_layout`), its block tables as the KV manager hands them out
+(int32 arrays) and as Python lists, side by side (`profile_host_layout`); on the CPU:
+
+    python benchmarks/step_profile.py --host-layout --preset tiny --batch 256 --context 1024
+
 The KV cache has `--block-size` tokens per block (default: the engine's, 16).
 
 Results: a table on stdout and JSON in `--output`.
@@ -63,11 +69,13 @@ from benchmarks.common import (
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models import qwen3
 from mini_vllm.ops._extension import extension
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+from mini_vllm.sequence import Request
 
 _KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("decode attention", ("paged_attention", "decode", "combine_splits")),
@@ -429,6 +437,48 @@ def profile_postprocess(model_dir: Path, load_format: str, ns: argparse.Namespac
     return result
 
 
+def profile_host_layout(model_dir: Path, load_format: str, ns: argparse.Namespace,
+                        ) -> dict[str, Any]:
+    """The runner's host layout of a decode step, block tables as arrays and as lists.
+
+    `--batch` sequences of `--context` tokens get their blocks from a
+    `KVCacheManager`, and `ModelRunner._host_layout` builds the step's ids,
+    positions, slots and block tables from them `--steps` times each way: with
+    the int32 arrays `allocate_slots` returns, which it joins whole, and with
+    the same tables as Python lists, which it reads an int at a time. Both
+    layouts must be equal. Host arithmetic only: it runs on the CPU.
+    """
+    blocks_per_seq = -(-(ns.context + 1) // ns.block_size)
+    runner = ModelRunner(EngineArgs(
+        model=str(model_dir), device="cpu", load_format=load_format, block_size=ns.block_size,
+        max_num_seqs=ns.batch, max_model_len=ns.max_model_len,
+        num_gpu_blocks_override=ns.batch * blocks_per_seq + 1,
+    ).create_engine_config())
+    kv = KVCacheManager(runner.num_blocks, ns.block_size, enable_caching=False,
+                        max_model_len=ns.max_model_len)
+    params = SamplingParams(max_tokens=1)
+    arrays = [kv.allocate_slots(Request(str(i), [1] * ns.context, params, arrival_time=0.0),
+                                ns.context) for i in range(ns.batch)]
+    query_lens = torch.ones(ns.batch, dtype=torch.int64).numpy()
+    starts = query_lens * (ns.context - 1)
+    result: dict[str, Any] = {"batch": ns.batch, "context": ns.context,
+                              "block_size": ns.block_size}
+    layouts = {}
+    for name, tables in (("arrays", arrays), ("lists", [t.tolist() for t in arrays])):
+        entries = [BatchEntry([7], ns.context - 1, t) for t in tables]
+        times = []
+        for _ in range(ns.steps + 3):
+            t0 = time.perf_counter()
+            layouts[name] = runner._host_layout(entries, query_lens, starts, ns.batch)
+            times.append(time.perf_counter() - t0)
+        result[f"{name}_ms"] = _ms(times[3:])
+    for key, value in layouts["lists"].items():
+        if not (layouts["arrays"][key] == value).all():
+            raise RuntimeError(f"the two layouts differ in {key}")
+    result["speedup"] = result["lists_ms"] / result["arrays_ms"]
+    return result
+
+
 @contextlib.contextmanager
 def without_programmatic_launch() -> Iterator[None]:
     """Launch every kernel plainly inside the block (on again after it)."""
@@ -466,12 +516,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time the engine's host work after the sampler, final-only "
                         "completions detokenized at the end and per token (on the CPU "
                         "when there is no GPU)")
+    p.add_argument("--host-layout", action="store_true",
+                   help="only time the runner's host layout of a decode step, block tables as "
+                        "int32 arrays and as lists (on the CPU)")
     p.add_argument("--output", default=None,
                    help="the JSON file (default: benchmarks/results/step_profile.json, "
-                        "step_profile_postprocess.json with --postprocess)")
+                        "step_profile_postprocess.json with --postprocess, "
+                        "step_profile_host_layout.json with --host-layout)")
     ns = p.parse_args(argv)
     if ns.postprocess:
         main_postprocess(ns)
+        return
+    if ns.host_layout:
+        main_host_layout(ns)
         return
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA GPU")
@@ -527,6 +584,18 @@ def main_postprocess(ns: argparse.Namespace) -> None:
                                   "at_end_ms_per_step", "speedup", "per_token_median_ms",
                                   "at_end_median_ms", "per_token_last_step_ms",
                                   "at_end_last_step_ms"]))
+
+
+def main_host_layout(ns: argparse.Namespace) -> None:
+    """`--host-layout`: `profile_host_layout`, on the CPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp))
+        result = profile_host_layout(model_dir, load_format, ns)
+    path = write_json(ns.output or RESULTS_DIR / "step_profile_host_layout.json",
+                      {"environment": environment("cpu"), "host_layout": result})
+    print(f"results in {path}")
+    print(format_table([result], ["batch", "context", "block_size", "arrays_ms", "lists_ms",
+                                  "speedup"]))
 
 
 if __name__ == "__main__":
