@@ -122,6 +122,13 @@ class HostInputs(NamedTuple):
     fixes: np.ndarray  # [bs, 2] int64: (row of ids, row of the previous sample), first k
     tables: np.ndarray  # [bs, w] int32: block tables, w <= W
 
+    def pad(self, n: int) -> None:
+        """Padding in rows `n..bs-1`: id 0, position 0, no slot (the KV write skips
+        it), one junk token of context in block 0 (reserved for this)."""
+        self.rows[:, n:] = ((0,), (0,), (-1,))
+        self.seq[0, n:] = 1
+        self.tables[n:] = 0
+
 
 # --8<-- [start:decode_inputs]
 class DecodeInputs:
@@ -171,11 +178,14 @@ class DecodeInputs:
         """The graph of size `bs`'s `[2, bs]` int32 context lengths / decode order."""
         return self.flat[24 * bs : 32 * bs].view(torch.int32).view(2, bs)
 
-    def host(self, bs: int, width: int) -> HostInputs:
-        """The mirror's views for a step of size `bs` whose tables are `width` wide."""
+    def _check_size(self, bs: int, width: int) -> None:
         if not 0 < width <= self.width or not 0 < bs <= self.max_size:
             raise ValueError(f"DecodeInputs: bs {bs} / width {width} outside 1..{self.max_size} "
                              f"/ 1..{self.width}")
+
+    def host(self, bs: int, width: int) -> HostInputs:
+        """The mirror's views for a step of size `bs` whose tables are `width` wide."""
+        self._check_size(bs, width)
         if self._copied is not None and not self._copied.query():
             self._copied.synchronize()  # the last stage's copies still read the mirror
         views = self._views.get(bs)
@@ -198,9 +208,7 @@ class DecodeInputs:
                 which the fixes index; unused when `num_fixes` is 0.
             stream: the current CUDA stream, if the caller has it at hand.
         """
-        if not 0 < width <= self.width or not 0 < bs <= self.max_size:
-            raise ValueError(f"DecodeInputs: bs {bs} / width {width} outside 1..{self.max_size} "
-                             f"/ 1..{self.width}")
+        self._check_size(bs, width)
         if not 0 <= num_fixes <= bs:
             raise ValueError(f"stage: num_fixes {num_fixes} outside 0..{bs}")
         if num_fixes:
@@ -238,11 +246,8 @@ class DecodeInputs:
     def reset(self, bs: int) -> None:
         """Padding in every row of size `bs`'s inputs (before its capture)."""
         view = self.host(bs, 1)
-        view.rows[:] = 0
-        view.rows[2] = -1
-        view.seq[0] = 1
+        view.pad(0)
         view.seq[1] = np.arange(bs)
-        view.tables[:] = 0
         self.stage(bs, 1, 0, None)
 # --8<-- [end:decode_inputs]
 

@@ -608,15 +608,14 @@ class ModelRunner:
     ) -> torch.Tensor:
         """A decode-only step through the CUDA graph of batch size `padded`."""
         n = len(entries)
-        host = self._host_layout(entries, query_lens, starts, num_rows=padded)
+        host = self._host_layout(entries, query_lens, starts, num_rows=n)
         inputs = self.graph_runner.inputs
         view = inputs.host(padded, host["block_tables"].shape[1])  # the pinned mirror
         view.rows[:, :n] = host["input_ids"], host["positions"], host["slot_mapping"]
-        view.rows[:, n:] = ((0,), (0,), (-1,))  # padding rows: id 0, position 0, no slot
         view.seq[0, :n] = host["context_lens"]
-        view.seq[0, n:] = 1  # padding rows: one (junk) token
+        view.tables[:n] = host["block_tables"]
+        view.pad(n)  # rows n..padded-1
         view.seq[1] = longest_first(view.seq[0])  # the order the decode grid takes
-        view.tables[:] = host["block_tables"]
         fix_rows = np.flatnonzero(prev_rows >= 0)  # placeholders: take the previous sample
         view.fixes[: len(fix_rows), 0] = fix_rows
         view.fixes[: len(fix_rows), 1] = prev_rows[fix_rows]
