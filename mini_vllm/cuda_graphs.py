@@ -114,6 +114,7 @@ class TokenInputs:
 # --8<-- [end:token_inputs]
 
 
+# --8<-- [start:decode_inputs]
 class HostInputs(NamedTuple):
     """Numpy views of `DecodeInputs`' pinned mirror for one step, to fill in place."""
 
@@ -130,7 +131,6 @@ class HostInputs(NamedTuple):
         self.tables[n:] = 0
 
 
-# --8<-- [start:decode_inputs]
 class DecodeInputs:
     """The decode graphs' static inputs, and the pinned host mirror a step fills.
 
