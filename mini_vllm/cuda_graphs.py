@@ -58,6 +58,10 @@ MAX_CAPTURE_SIZE = 512
 # context does not launch the hundreds of idle CTAs an 8k-token grid has, and
 # one at 8k does not walk 64-token partitions (chapter 9).
 CONTEXT_BOUNDS = (256, 1024, 4096)
+# A step that is one new prompt and nothing else (a lone request's first step)
+# of up to this many tokens replays one graph of the whole forward, attention
+# included, instead of the pieces (`PiecewiseGraphRunner.run_prompt`).
+MAX_PROMPT_GRAPH_TOKENS = 1024
 
 # (input_ids, positions, kv_caches, metadata) -> logits [bs, vocab]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], CudaAttentionMetadata],
@@ -471,6 +475,16 @@ class PiecewiseGraphRunner:
     projection writes it again, and one buffer of the largest size serves the
     graphs of every size.
 
+    One kind of step needs no host data inside the forward at all: a single
+    prompt with no cached prefix and no decodes beside it, as a lone request's
+    first step is. Its attention is FlashAttention over the step's own K/V,
+    whose one sequence is described by `[0, T]` in device memory. Captured
+    for `S` tokens (the host's bounds `S`, the buffer `[0, S]`), the same
+    launches run any `T <= S` once the buffer says `[0, T]`: rows past `T`
+    belong to no sequence, and row-wise everywhere else, they reach nothing
+    real. So up to `max_prompt_tokens` each size also gets a graph of the
+    whole forward (`run_prompt`).
+
     Args:
         forward: the model's forward (no LM head).
         kv_caches: the per-layer caches.
@@ -481,26 +495,35 @@ class PiecewiseGraphRunner:
         head_dim: size of one head.
         dtype: the activations' dtype.
         device: the GPU.
+        max_prompt_tokens: the largest size that also gets a whole-forward graph
+            of a lone prompt; 0 for none (prefill attention that is not
+            FlashAttention's varlen kernel reads host data: it cannot be captured).
     """
 
     def __init__(self, forward: HiddenFn, kv_caches: list[KVCache], sizes: list[int],
                  num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_prompt_tokens: int = 0) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"piecewise sizes must be positive, got {sizes}")
         self.forward = forward
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.device = device
+        self.max_prompt_tokens = max_prompt_tokens
         n = self.sizes[-1]
         self.token_inputs = TokenInputs(n, device)
         self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
         self.qkv_out = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype,
                                    device=device)
         self._no_seqs = torch.zeros(1, dtype=torch.int32, device=device)
+        # A lone prompt's `query_start_loc`, [0, T] (its context_lens: [T], the same memory).
+        self._one_prompt = torch.zeros(2, dtype=torch.int32, device=device)
+        self._one_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[_AttentionCall]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.prompt_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prompt_outputs: dict[int, torch.Tensor] = {}
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The captured size a step of `num_tokens` runs at, or None if it is too big."""
@@ -517,6 +540,24 @@ class PiecewiseGraphRunner:
             context_lens_cpu=[], split=split, qkv_out=self.qkv_out[:size])
         return self.forward(self.token_inputs.rows[0, :size], self.token_inputs.rows[1, :size],
                             self.kv_caches, meta)
+
+    def _forward_prompt(self, size: int) -> torch.Tensor:
+        """The forward of one prompt of up to `size` tokens, attention included:
+        every length it reads on the device (`_one_prompt`), its bounds (`size`)
+        on the host."""
+        loc = self._one_prompt
+        meta = CudaAttentionMetadata(
+            slot_mapping=self.token_inputs.rows[2, :size], query_start_loc=loc,
+            context_lens=loc[1:], block_tables=self._one_table, max_query_len=size,
+            max_context_len=size, query_start_loc_cpu=[0, size], context_lens_cpu=[size],
+            prefill_query_start_loc=loc, prefill_query_start_loc_cpu=[0, size],
+            prefill_context_lens_cpu=[size], qkv_out=self.qkv_out[:size])
+        return self.forward(self.token_inputs.rows[0, :size], self.token_inputs.rows[1, :size],
+                            self.kv_caches, meta)
+
+    def has_prompt_graph(self, size: int) -> bool:
+        """Whether a lone prompt padded to `size` tokens replays one graph (`run_prompt`)."""
+        return size in self.prompt_graphs
 
     def _attend(self, call: _AttentionCall, num_tokens: int,
                 meta: CudaAttentionMetadata) -> None:
@@ -539,9 +580,22 @@ class PiecewiseGraphRunner:
                 self._forward(size, lambda *args, size=size: self.attn_out[:size])  # warm-up
                 torch.cuda.synchronize(self.device)
                 self._capture_size(size, pool)
+            for size in reversed([s for s in self.sizes if s <= self.max_prompt_tokens]):
+                self._one_prompt[1:].fill_(size)  # captured for its longest prompt
+                self._forward_prompt(size)  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool)
+                try:
+                    out = self._forward_prompt(size)
+                finally:
+                    graph.capture_end()
+                self.prompt_graphs[size], self.prompt_outputs[size] = graph, out
         logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d pieces "
-                    "each, in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1],
-                    len(self.pieces[self.sizes[0]]), time.perf_counter() - start)
+                    "each, and whole-forward graphs of a lone prompt up to %d tokens, in %.1f s",
+                    len(self.sizes), self.sizes[0], self.sizes[-1],
+                    len(self.pieces[self.sizes[0]]), max(self.prompt_graphs, default=0),
+                    time.perf_counter() - start)
 
     def _capture_size(self, size: int, pool: tuple[int, int]) -> None:
         pieces = [torch.cuda.CUDAGraph()]
@@ -595,7 +649,27 @@ class PiecewiseGraphRunner:
         return self.outputs[size][:num_tokens]
     # --8<-- [end:piecewise_replay]
 
+    # --8<-- [start:prompt_replay]
+    def run_prompt(self, token_inputs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """One prompt with no cached prefix, alone in its step: one replay.
 
-__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeInputs", "HostInputs",
-           "PiecewiseGraphRunner", "TokenInputs", "capture_sizes", "capture_stream",
-           "context_bounds", "piecewise_sizes"]
+        Args:
+            token_inputs: `[3, S]` int64 ids / positions / slots of its
+                `num_tokens` tokens, padded to a size `S` with `has_prompt_graph(S)`.
+            num_tokens: its tokens.
+
+        Returns:
+            `[num_tokens, hidden]` last hidden states (graph memory: valid
+            until the next step).
+        """
+        size = token_inputs.shape[1]
+        self.token_inputs.fill(token_inputs, None)
+        self._one_prompt[1:].fill_(num_tokens)  # its length, on the device: no sync
+        self.prompt_graphs[size].replay()
+        return self.prompt_outputs[size][:num_tokens]
+    # --8<-- [end:prompt_replay]
+
+
+__all__ = ["CONTEXT_BOUNDS", "MAX_CAPTURE_SIZE", "MAX_PROMPT_GRAPH_TOKENS", "CudaGraphRunner",
+           "DecodeInputs", "HostInputs", "PiecewiseGraphRunner", "TokenInputs", "capture_sizes",
+           "capture_stream", "context_bounds", "piecewise_sizes"]

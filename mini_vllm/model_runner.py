@@ -32,6 +32,7 @@ from mini_vllm.cuda_backend import (
     select_attention_backend,
 )
 from mini_vllm.cuda_graphs import (
+    MAX_PROMPT_GRAPH_TOKENS,
     CudaGraphRunner,
     PiecewiseGraphRunner,
     capture_sizes,
@@ -473,9 +474,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         sizes = self._piecewise_sizes()
         if sizes:
+            flash = self.attn_backend.prefill_impl == "flash_varlen"  # capturable
             self.piecewise_runner = PiecewiseGraphRunner(
                 self.model, self.kv_caches, sizes, cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                max_prompt_tokens=MAX_PROMPT_GRAPH_TOKENS if flash else 0)
             self.piecewise_runner.capture(pool)
         max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.graph_runner = CudaGraphRunner(
@@ -639,7 +642,9 @@ class ModelRunner:
         The decode kernel takes the first `num_decodes` sequences, prefill
         attention the rest; the logits come back in the entries' order. With
         `use_graph` and a piecewise graph of enough tokens, the step replays
-        it (its tokens padded to that size); otherwise it runs eagerly.
+        it (its tokens padded to that size), and a lone prompt with no cached
+        prefix the graph of its whole forward where there is one; otherwise
+        it runs eagerly.
         """
         n = len(entries)
         order = np.argsort(query_lens != 1, kind="stable")  # decodes first, else in order
@@ -687,7 +692,10 @@ class ModelRunner:
             decode_order=views[8] if num_decodes else None,
         )
         self._mark_step_start()
-        if size is not None:
+        if (size is not None and n == 1 and num_decodes == 0 and starts[0] == 0
+                and token_fixes is None and pieces.has_prompt_graph(size)):
+            hidden = pieces.run_prompt(views[0], num_tokens)  # a lone prompt: one replay
+        elif size is not None:
             hidden = pieces.run(views[0], meta, num_tokens, token_fixes)
         else:
             input_ids, positions = views[0][0], views[0][1]

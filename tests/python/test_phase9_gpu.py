@@ -426,7 +426,9 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
     tiny_model_dir: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompts, a prompt after its cached prefix beside decodes, and a lone short
-    prompt: each replays the piecewise graphs of its padded size, as eagerly."""
+    prompt: each replays the graphs of its padded size, as eagerly. The lone
+    prompt replays the graph of its whole forward where prefill attention is
+    FlashAttention's (bf16), the pieces where it is not (float32's SDPA)."""
     runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype,
                                        max_piecewise_graph_tokens=64))
     pieces = runner.piecewise_runner
@@ -434,14 +436,9 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
     layers = runner.model_config.num_hidden_layers
     assert all(len(p) == layers + 1 and len(pieces.calls[s]) == layers
                for s, p in pieces.pieces.items())
-    runs: list[int] = []
-    run = pieces.run
-
-    def spy(token_inputs: torch.Tensor, *args: object) -> torch.Tensor:
-        runs.append(token_inputs.shape[1])
-        return run(token_inputs, *args)
-
-    monkeypatch.setattr(pieces, "run", spy)
+    flash = runner.attn_backend.prefill_impl == "flash_varlen"
+    assert sorted(pieces.prompt_graphs) == ([16, 32, 64] if flash else [])
+    runs = _spy_on_graph_runs(pieces, monkeypatch)
     vocab = runner.vocab_size
     prompts = random_prompts([7, 20, 13, 5], vocab, seed=3)
     blocks = make_blocks(3)
@@ -455,7 +452,68 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
     ]
     for entries in steps:
         _assert_graph_equals_eager(runner, entries, dtype)
-    assert runs == [64, 32, 16]
+    assert runs == [("pieces", 64), ("pieces", 32), ("prompt" if flash else "pieces", 16)]
+    _assert_padding_wrote_nothing(runner, tables)
+
+
+def _spy_on_graph_runs(pieces: PiecewiseGraphRunner, monkeypatch: pytest.MonkeyPatch
+                       ) -> list[tuple[str, int]]:
+    """A list that each replay of `pieces` appends to: ("pieces" or "prompt", size)."""
+    runs: list[tuple[str, int]] = []
+    run, run_prompt = pieces.run, pieces.run_prompt
+
+    def spy(token_inputs: torch.Tensor, *args: object) -> torch.Tensor:
+        runs.append(("pieces", token_inputs.shape[1]))
+        return run(token_inputs, *args)
+
+    def spy_prompt(token_inputs: torch.Tensor, *args: object) -> torch.Tensor:
+        runs.append(("prompt", token_inputs.shape[1]))
+        return run_prompt(token_inputs, *args)
+
+    monkeypatch.setattr(pieces, "run", spy)
+    monkeypatch.setattr(pieces, "run_prompt", spy_prompt)
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_lone_prompt_replays_one_graph_of_its_whole_forward(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone prompt from position 0: one replay, whatever its length up to the
+    size (5, 16, 17, 40 and then 33 tokens in the graph of 64, so a stale length
+    would show); logits and the K/V it writes as an eager run's. A prompt after
+    its cached prefix, and two prompts, go through the pieces. Padding rows
+    store nothing."""
+    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16",
+                                       max_piecewise_graph_tokens=64))
+    pieces = runner.piecewise_runner
+    if runner.attn_backend.prefill_impl != "flash_varlen":
+        pytest.skip("prefill attention is not FlashAttention's varlen kernel here")
+    runs = _spy_on_graph_runs(pieces, monkeypatch)
+    vocab = runner.vocab_size
+    lengths = [5, 16, 17, 40, 33]
+    prompts = random_prompts(lengths, vocab, seed=7)
+    blocks = make_blocks(7)
+    tables = [blocks.table(n + 8) for n in lengths]
+    for prompt, table in zip(prompts, tables):
+        entries = [BatchEntry(prompt, 0, table)]
+        eager = runner.execute_fast(entries, use_graph=False).float().clone()
+        written = runner.kv_cache[:, :, table].clone()
+        runner.kv_cache[:, :, table] = 0
+        graph = runner.execute_fast(entries, use_graph=True).float().clone()
+        assert ((graph - eager).norm() / eager.norm()).item() < 1e-2
+        assert graph.argmax(-1).item() == eager.argmax(-1).item()
+        # (The padded step may multiply on other kernels: equal up to bf16's rounding.)
+        torch.testing.assert_close(runner.kv_cache[:, :, table], written, rtol=2e-2, atol=2e-2)
+    assert runs == [("prompt", 16), ("prompt", 16), ("prompt", 32), ("prompt", 64),
+                    ("prompt", 64)]
+    more = random_prompts([9, 6], vocab, seed=8)
+    runs.clear()
+    _assert_graph_equals_eager(runner, [BatchEntry(more[0], 5, tables[0])], "bfloat16")
+    _assert_graph_equals_eager(runner, [BatchEntry(more[0], 0, tables[1]),
+                                        BatchEntry(more[1], 0, tables[2])], "bfloat16")
+    assert runs == [("pieces", 16), ("pieces", 16)]
     _assert_padding_wrote_nothing(runner, tables)
 
 
