@@ -114,6 +114,34 @@ def test_floor_of_the_standard_workload_on_qwen3_0_6b(common: ModuleType) -> Non
     assert floor["floor_output_tok_s"] == pytest.approx(37_800, rel=0.01)
 
 
+def test_benchmark_models_give_every_id_a_text(common: ModuleType, tmp_path: Path) -> None:
+    """A random-weight benchmark model samples from its whole vocabulary: every id of
+    it, past the shipped tokenizer's too, must decode to text, streamed as it comes."""
+    from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    model_dir, load_format = common.prepare_model_dir(None, "qwen3-0.6b", tmp_path)
+    assert load_format == "dummy"
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer.from_pretrained(str(model_dir))
+    ids = random.Random(0).sample(range(vocab_size), 300) + [vocab_size - 1, 2331]
+    stream = IncrementalDetokenizer(tokenizer)
+    pieces = [stream.add_token(i) for i in ids]
+    assert all(pieces), [i for i, p in zip(ids, pieces) if not p][:5]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert tokenizer.decode([vocab_size - 1]) == f" w{vocab_size - 1}"
+    # The shipped tokens keep their ids and texts, and a second call adds nothing.
+    from tokenizers import Tokenizer as Backend
+
+    from mini_vllm.checkpoint import TOKENIZER_FILE
+
+    text = "Hello, world! The tokenizer's own pieces: 12345 déjà vu"
+    shipped = Backend.from_file(str(TOKENIZER_FILE))
+    covered = Backend.from_file(str(model_dir / "tokenizer.json"))
+    assert covered.encode(text).ids == shipped.encode(text).ids
+    assert covered.decode(shipped.encode(text).ids) == shipped.decode(shipped.encode(text).ids)
+    assert common.cover_vocabulary(model_dir) == 0
+
+
 def test_decode_steps_when_requests_queue(common: ModuleType) -> None:
     assert common.decode_steps([3, 7, 5], max_num_seqs=8) == 7
     # Two slots: 3|3 run together, the third starts at step 3 and ends at 6.
