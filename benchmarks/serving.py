@@ -93,6 +93,11 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 PERCENTILES = (50, 90, 99)
+# How long the client keeps an idle connection for the next request. Below the 5 s
+# after which uvicorn (our server's, and vLLM's by default) closes an idle one:
+# otherwise, at a low request rate, a request can go out on a connection the
+# server is closing at that moment and fail with "Server disconnected".
+CLIENT_KEEPALIVE_S = 3.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,14 +309,16 @@ class _StreamClient:
 
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=self.max_connections or 0))
+                connector=aiohttp.TCPConnector(limit=self.max_connections or 0,
+                                               keepalive_timeout=CLIENT_KEEPALIVE_S))
         else:
             import httpx
 
             self._session = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout_s),
                 limits=httpx.Limits(max_connections=self.max_connections,
-                                    max_keepalive_connections=self.max_connections))
+                                    max_keepalive_connections=self.max_connections,
+                                    keepalive_expiry=CLIENT_KEEPALIVE_S))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

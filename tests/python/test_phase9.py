@@ -328,6 +328,13 @@ def test_stream_events_give_ttft_itl_and_tpot(serving: ModuleType) -> None:
     assert not cut.success and "[DONE]" in cut.error
 
 
+def test_client_lets_idle_connections_go_before_the_server_does(serving: ModuleType) -> None:
+    """A pooled connection the server may be closing is never reused: the client keeps
+    an idle one for less time than uvicorn keeps it open."""
+    uvicorn = pytest.importorskip("uvicorn")
+    assert 0 < serving.CLIENT_KEEPALIVE_S < uvicorn.Config(app=None).timeout_keep_alive
+
+
 def test_metrics_aggregate_and_percentiles(serving: ModuleType) -> None:
     values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
     d = serving.distribution(values)
