@@ -14,6 +14,7 @@
 
 #include "binding_utils.h"
 #include "params.h"
+#include "prefill_params.h"
 
 namespace py = pybind11;
 using namespace mini_vllm;
@@ -196,5 +197,42 @@ PYBIND11_MODULE(_C, m) {
       py::arg("v_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("cu_seqlens"), py::arg("num_seqs"), py::arg("num_kv_heads"), py::arg("head_dim"),
       py::arg("block_size"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"),
+      py::arg("dtype"), py::arg("stream"));
+
+  m.def("flash_prefill_supported", &flash_prefill_supported,
+        "Whether flash_prefill can run: an sm_90 GPU and a module built for sm_90a.");
+  m.def(
+      "flash_prefill",
+      [](std::uintptr_t out, std::uintptr_t q, std::uintptr_t k, std::uintptr_t v,
+         std::uintptr_t cu_q, std::uintptr_t cu_k, int num_seqs, int num_q_heads,
+         int num_kv_heads, int head_dim, int total_q, int total_k, int64_t q_stride,
+         int64_t k_stride, int64_t v_stride, int max_q, float scale, int dtype,
+         std::uintptr_t stream) {
+        PrefillParams p;
+        p.out = as_ptr<void>(out);
+        p.q = as_ptr<const void>(q);
+        p.k = as_ptr<const void>(k);
+        p.v = as_ptr<const void>(v);
+        p.cu_q = as_ptr<const int32_t>(cu_q);
+        p.cu_k = as_ptr<const int32_t>(cu_k);
+        p.num_seqs = num_seqs;
+        p.num_q_heads = num_q_heads;
+        p.num_kv_heads = num_kv_heads;
+        p.head_dim = head_dim;
+        p.total_q = total_q;
+        p.total_k = total_k;
+        p.q_stride = q_stride;
+        p.k_stride = k_stride;
+        p.v_stride = v_stride;
+        p.max_q = max_q;
+        p.scale = scale;
+        p.dtype = as_dtype(dtype);
+        flash_prefill(p, as_stream(stream));
+      },
+      "Causal varlen prefill attention on sm_90a (TMA + wgmma; see PrefillParams).",
+      py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_q"),
+      py::arg("cu_k"), py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("total_q"), py::arg("total_k"), py::arg("q_stride"),
+      py::arg("k_stride"), py::arg("v_stride"), py::arg("max_q"), py::arg("scale"),
       py::arg("dtype"), py::arg("stream"));
 }

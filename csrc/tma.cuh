@@ -89,6 +89,19 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
 }
 // --8<-- [end:tma_ptx]
 
+// Copy the box at coordinates (c0, c1, c2) of a 3-D `map` to shared memory at
+// `dst`, counting its bytes on `bar`. One thread issues it.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+#endif
+}
+
 // Arrive once on a barrier (no bytes): a consumer saying it is done with a stage.
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -21,20 +21,112 @@ import torch
 import torch.nn.functional as F
 
 from mini_vllm.ops._checks import check_kv_cache, check_tensor
-from mini_vllm.ops._extension import is_available
+from mini_vllm.ops._extension import dtype_code, extension, is_available
 from mini_vllm.ops.cache_ops import gather_kv_cache
 from mini_vllm.ops.reference import gather_context_ref
 
-PREFILL_BACKENDS = ("flash_varlen", "sdpa")
+PREFILL_BACKENDS = ("flash_wgmma", "flash_varlen", "sdpa")
+# The backends that read each sequence's bounds from device memory (a CUDA
+# graph can hold them: the lone-prompt graph of chapter 9); SDPA loops on the host.
+CAPTURABLE_PREFILL_BACKENDS = ("flash_wgmma", "flash_varlen")
+# Our Hopper kernel (csrc/flash_prefill.cu) takes head_dim 128 and an even
+# number of query heads per KV head (a CTA serves two).
+FLASH_WGMMA_HEAD_DIM = 128
 
 
-def prefill_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """The fastest prefill path available for this device and dtype."""
+def flash_wgmma_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
+                          group: int) -> bool:
+    """Whether our Hopper prefill kernel runs here, for these heads.
+
+    Args:
+        device: where attention runs.
+        dtype: the query's dtype.
+        head_dim: the head size.
+        group: query heads per KV head.
+    """
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim == FLASH_WGMMA_HEAD_DIM and group % 2 == 0 and is_available()
+            and bool(extension().flash_prefill_supported()))
+
+
+def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
+                    group: int | None = None) -> str:
+    """The fastest prefill path available for this device, dtype and heads.
+
+    Our Hopper kernel where it runs (head_dim and group given), then PyTorch's
+    FlashAttention-2, then SDPA sequence by sequence.
+    """
+    if (head_dim is not None and group is not None
+            and flash_wgmma_supported(device, dtype, head_dim, group)):
+        return "flash_wgmma"
     if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and hasattr(torch.ops.aten, "_flash_attention_forward")
             and torch.cuda.get_device_capability(device)[0] >= 8):
         return "flash_varlen"
     return "sdpa"
+
+
+def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen attention of packed sequences by our Hopper kernel.
+
+    Args:
+        query: [total_q, num_q_heads, 128], heads and dims dense (rows may be strided).
+        key: [total_k, num_kv_heads, 128], likewise.
+        value: like `key`.
+        cu_q: [num_seqs + 1] int32, query rows of each sequence (cumulative).
+        cu_k: [num_seqs + 1] int32, key rows of each sequence; each sequence has
+            at least as many keys as queries, and query j of a sequence with
+            q_len queries and k_len keys sees keys 0 .. k_len - q_len + j.
+        max_q: a bound of every sequence's query count (a host int; it sizes the grid).
+        scale: softmax scale.
+        out: optional [total_q, num_q_heads, 128] contiguous output.
+
+    Returns:
+        `out`, [total_q, num_q_heads, 128] in the query's dtype.
+
+    Raises:
+        ValueError: on shapes, dtypes or strides the kernel does not take (named).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=3, dtypes=(torch.float16, torch.bfloat16), contiguous=False)
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) % 8:
+            raise ValueError(f"{name}: heads and dims must be dense and the row stride a "
+                             f"multiple of 8 elements, got strides {t.stride()}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: must start on 16 bytes")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError("query, key and value must have one dtype")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    total_q, num_q_heads, head_dim = query.shape
+    total_k, num_kv_heads, _ = key.shape
+    if head_dim != FLASH_WGMMA_HEAD_DIM or key.shape[2] != head_dim:
+        raise ValueError(f"head_dim must be {FLASH_WGMMA_HEAD_DIM}, got {head_dim}")
+    if num_q_heads % num_kv_heads or (num_q_heads // num_kv_heads) % 2:
+        raise ValueError(f"query heads per KV head must be even, got {num_q_heads} / "
+                         f"{num_kv_heads}")
+    for name, t in (("cu_q", cu_q), ("cu_k", cu_k)):
+        check_tensor(name, t, ndim=1, dtypes=(torch.int32,))
+    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_q {tuple(cu_q.shape)} and cu_k {tuple(cu_k.shape)} must both "
+                         "have num_seqs + 1 >= 2 entries")
+    if out is None:
+        out = torch.empty((total_q, num_q_heads, head_dim), dtype=query.dtype,
+                          device=query.device)
+    elif out.shape != query.shape or not out.is_contiguous() or out.dtype != query.dtype:
+        raise ValueError(f"out must be contiguous {tuple(query.shape)} {query.dtype}")
+    if total_q == 0 or max_q < 1:
+        return out
+    with torch.cuda.device(query.device):
+        extension().flash_prefill(
+            out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
+            cu_q.data_ptr(), cu_k.data_ptr(), cu_q.shape[0] - 1, num_q_heads, num_kv_heads,
+            head_dim, total_q, max(total_k, 1), query.stride(0), key.stride(0),
+            value.stride(0), max_q, float(scale), dtype_code(query.dtype),
+            torch.cuda.current_stream(query.device).cuda_stream)
+    return out
 
 
 def _gather_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -110,7 +202,8 @@ def prefill_attention(
             when no sequence has a cached prefix, attention reads it directly
             instead of gathering the cache.
         value: this step's V, with `key`.
-        backend: "flash_varlen" or "sdpa"; None picks the fastest available.
+        backend: "flash_wgmma", "flash_varlen" or "sdpa"; None picks the fastest
+            available for these heads.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in the query's dtype.
@@ -128,7 +221,8 @@ def prefill_attention(
     if query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not fit KV heads {num_kv_heads} "
                          f"x head_dim {head_dim}")
-    backend = backend or prefill_backend(query.device, query.dtype)
+    backend = backend or prefill_backend(query.device, query.dtype, head_dim,
+                                         query.shape[1] // num_kv_heads)
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {PREFILL_BACKENDS}")
     if num_seqs == 0:
@@ -144,6 +238,8 @@ def prefill_attention(
         cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
         k, v = _gather_paged(k_cache, v_cache, block_tables, context_lens, cu_k,
                              sum(context_lens_cpu), max_k)
+    if backend == "flash_wgmma":
+        return flash_prefill(query, k, v, query_start_loc, cu_k, max_q, scale)
     # FlashAttention-2 aligns the causal mask at the bottom right when a
     # sequence has more keys than queries: exactly "new tokens at the end".
     out = torch.ops.aten._flash_attention_forward(
