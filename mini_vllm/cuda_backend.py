@@ -158,10 +158,13 @@ class CudaAttentionBackend:
         head_dim: the model's head size.
         device: where the model runs (the prefill path is chosen for it).
         use_kernels: use `mini_vllm._C`; None means when `ops.is_available()`.
+        group: query heads per KV head (our Hopper prefill kernel takes an even
+            group); None: not known, prefill then leaves that kernel out.
 
     Attributes:
         write_impl / decode_impl: `"kernel"` or `"torch"`.
-        prefill_impl: `"flash_varlen"` or `"sdpa"` (see `ops.prefill_backend`).
+        prefill_impl: `"flash_wgmma"`, `"flash_varlen"` or `"sdpa"` (see
+            `ops.prefill_backend`).
     """
 
     name = "cuda"
@@ -172,12 +175,14 @@ class CudaAttentionBackend:
         head_dim: int,
         device: torch.device | str = "cuda",
         use_kernels: bool | None = None,
+        group: int | None = None,
     ) -> None:
         kernels = ops.is_available() if use_kernels is None else use_kernels
         self.write_impl = "kernel" if kernels else "torch"
         decode_ok = kernels and dtype in _KERNEL_DTYPES and head_dim in _KERNEL_HEAD_DIMS
         self.decode_impl = "kernel" if decode_ok else "torch"
-        self.prefill_impl = ops.prefill_backend(torch.device(device), dtype)
+        self.prefill_impl = ops.prefill_backend(torch.device(device), dtype,
+                                                head_dim if kernels else None, group)
 
     def describe(self) -> str:
         """One line naming the implementation of each operation."""
@@ -264,7 +269,7 @@ class CudaAttentionBackend:
 
 
 def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, head_dim: int
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int | None = None
 ) -> CudaAttentionBackend | None:
     """The backend for a model on `device`: the CUDA one on a GPU, None (the reference) elsewhere.
 
@@ -273,7 +278,7 @@ def select_attention_backend(
     """
     if device.type != "cuda":
         return None
-    backend = CudaAttentionBackend(dtype, head_dim, device)
+    backend = CudaAttentionBackend(dtype, head_dim, device, group=group)
     why = ops.unavailable_reason()
     if why is not None:
         logger.warning("CUDA kernels not used, torch fallbacks instead: %s", why)

@@ -42,6 +42,7 @@ from mini_vllm.cuda_graphs import (
 from mini_vllm.models.loader import load_model
 from mini_vllm.ops._extension import num_sms
 from mini_vllm.ops.paged_attention import decode_grid, default_decode_version, longest_first
+from mini_vllm.ops.prefill import CAPTURABLE_PREFILL_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         # None on the CPU: the model keeps the torch reference.
         self.attn_backend = select_attention_backend(
-            self.device, self.dtype, self.model_config.head_dim
+            self.device, self.dtype, self.model_config.head_dim,
+            self.model_config.num_attention_heads // self.model_config.num_key_value_heads,
         )
         self.model = load_model(
             engine_config.model, self.model_config, self.dtype, self.device,
@@ -474,7 +476,7 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         sizes = self._piecewise_sizes()
         if sizes:
-            flash = self.attn_backend.prefill_impl == "flash_varlen"  # capturable
+            flash = self.attn_backend.prefill_impl in CAPTURABLE_PREFILL_BACKENDS
             self.piecewise_runner = PiecewiseGraphRunner(
                 self.model, self.kv_caches, sizes, cfg.num_attention_heads,
                 cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
