@@ -103,7 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mini_vllm import ops
 from mini_vllm.ops.gemv import GEMV_MAX_ROWS, gemm_wgmma
-from mini_vllm.ops.prefill import _gather_paged
+from mini_vllm.ops.prefill import _gather_paged, flash_wgmma_supported
 from mini_vllm.ops.reference import paged_decode_attention_ref
 
 L2_DEFEAT_BYTES = 512 * 2**20  # rotate inputs until this many bytes are touched per graph
@@ -355,8 +355,17 @@ def _prefill_paths(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kw = {"query_start_loc_cpu": starts, "context_lens_cpu": lens}
     scale = HEAD_DIM ** -0.5
     cu = F.pad(torch.cumsum(ctx, 0, dtype=torch.int32), (1, 0))
-    return {
-        # the engine's choice: no gather when no sequence has a cached prefix
+    paths = {}
+    if flash_wgmma_supported(query.device, query.dtype, query.shape[2],
+                             query.shape[1] // key.shape[1]):
+        # ours (the engine's choice where it runs), then the same always gathering
+        paths["flash_wgmma"] = lambda: ops.prefill_attention(
+            query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_wgmma",
+            key=key if fresh else None, value=value if fresh else None, **kw)
+        paths["flash_wgmma_gather"] = lambda: ops.prefill_attention(
+            query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_wgmma", **kw)
+    return paths | {
+        # PyTorch's FlashAttention-2, no gather when no sequence has a cached prefix
         "flash_varlen": lambda: ops.prefill_attention(
             query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_varlen",
             key=key if fresh else None, value=value if fresh else None, **kw),
@@ -369,6 +378,17 @@ def _prefill_paths(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     }
 
 
+def _workload_chunk(tokens: int) -> list[int]:
+    """Prompt lengths drawn as the standard workload draws them (100 to 1,024
+    tokens, seed 0), the last cut so that they add up to `tokens`."""
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(rng.randint(100, 1024))
+    lens[-1] -= sum(lens) - tokens
+    return lens
+
+
 def bench_prefill(device: torch.device) -> list[dict]:
     """Prefill paths: (cached prefix, new tokens) per sequence, 16/8 heads, block 16."""
     cases = {
@@ -377,6 +397,9 @@ def bench_prefill(device: torch.device) -> list[dict]:
         "4 x 512 after a 1536 prefix": [(1536, 512)] * 4,
         "16 x 128 after a 4096 prefix": [(4096, 128)] * 16,
         "1 x 8192 prompt": [(0, 8192)],
+        # a prefill step of the standard throughput workload: prompts of 100 to
+        # 1,024 tokens packed into one step of 8,192
+        "8192 tokens of workload prompts": [(0, n) for n in _workload_chunk(8192)],
     }
     rows = []
     for name, seqs in cases.items():

@@ -20,6 +20,7 @@ import torch
 
 from mini_vllm import ops
 from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, decode_grid, heads_per_cta, v8_counters
+from mini_vllm.ops.prefill import flash_prefill, flash_wgmma_supported
 from mini_vllm.ops.reference import (
     gather_context_ref,
     paged_decode_attention_ref,
@@ -46,6 +47,9 @@ FAST_VERSIONS = (5, 6, 7, 8, 9) if HAS_TMA else (5, 6, 7, 8)
 # The versions that run v7's 16-token tensor-core tiles on a grid of CTAs per
 # (KV head, split, sequence): the cp.async copy (7) and the TMA copy (9).
 TILED_VERSIONS = (7, 9) if HAS_TMA else (7,)
+# Our Hopper prefill kernel (csrc/flash_prefill.cu): an sm_90 GPU and a build for sm_90a.
+FLASH_WGMMA = ops.is_available() and flash_wgmma_supported(
+    torch.device("cuda"), torch.bfloat16, 128, 2)
 
 
 def _unsupported(version: int, heads: tuple[int, int, int]) -> str | None:
@@ -592,6 +596,8 @@ PREFILL_BATCHES = {
 @pytest.mark.parametrize("batch", PREFILL_BATCHES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_prefill_attention(dtype: torch.dtype, batch: str, backend: str) -> None:
+    if backend == "flash_wgmma" and not FLASH_WGMMA:
+        pytest.skip("our prefill kernel needs an sm_90 GPU and a build for sm_90a")
     gen = _gen("prefill", str(dtype), batch, backend)
     seqs = PREFILL_BATCHES[batch]
     lens = [p + n for p, n in seqs]
@@ -615,6 +621,86 @@ def test_prefill_attention(dtype: torch.dtype, batch: str, backend: str) -> None
                                     query_start_loc_cpu=starts, context_lens_cpu=lens,
                                     key=kv[0], value=kv[1], backend=backend)
         _assert_close(out, ref)
+
+
+# (cached prefix, new tokens) per sequence, for the Hopper kernel on its own:
+# a token, a tile of 64 and one more, odd lengths, prefixes that end mid-tile,
+# and sequences of thousands of tokens (many tiles of keys, the longest blocks
+# of queries first).
+FLASH_PREFILL_BATCHES = {
+    "one token": [(0, 1)],
+    "one tile": [(0, 64)],
+    "a tile and one": [(0, 65)],
+    "odd prompts": [(0, 5), (0, 130), (0, 1), (0, 77), (0, 300)],
+    "after a prefix": [(260, 40), (0, 17), (999, 1), (63, 65)],
+    "long": [(0, 2500)],
+    "long after a prefix": [(3000, 700), (0, 129)],
+}
+
+
+def _causal_varlen_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       seqs: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """Float32 attention of each sequence's new tokens over its keys, the new
+    ones at the end (query j of n sees keys 0 .. prefix + j)."""
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    group = query.shape[1] // key.shape[1]
+    q0 = k0 = 0
+    for prefix, n in seqs:
+        m = prefix + n
+        q = query[q0 : q0 + n].float().transpose(0, 1)  # [Hq, n, D]
+        k = key[k0 : k0 + m].float().repeat_interleave(group, 1).transpose(0, 1)
+        v = value[k0 : k0 + m].float().repeat_interleave(group, 1).transpose(0, 1)
+        seen = torch.arange(m, device=query.device)[None, :] <= (
+            torch.arange(n, device=query.device) + prefix)[:, None]
+        out[q0 : q0 + n] = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=seen, scale=scale).transpose(0, 1)
+        q0, k0 = q0 + n, k0 + m
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not FLASH_WGMMA, reason="needs an sm_90 GPU and a build for sm_90a")
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (4, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("batch", FLASH_PREFILL_BATCHES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flash_prefill(dtype: torch.dtype, batch: str, heads: tuple[int, int]) -> None:
+    """Our Hopper kernel against float32 attention: every row written (the
+    output starts as NaN), with a bound of the query count above the largest."""
+    gen = _gen("flash_prefill", str(dtype), batch, heads)
+    seqs = FLASH_PREFILL_BATCHES[batch]
+    hq, hkv = heads
+    total_q, total_k = sum(n for _, n in seqs), sum(p + n for p, n in seqs)
+    query = torch.randn((total_q, hq, 128), generator=gen, device="cuda").to(dtype)
+    key = torch.randn((total_k, hkv, 128), generator=gen, device="cuda").to(dtype)
+    value = torch.randn((total_k, hkv, 128), generator=gen, device="cuda").to(dtype)
+    cu_q = torch.tensor(np.cumsum([0] + [n for _, n in seqs]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.cumsum([0] + [p + n for p, n in seqs]), dtype=torch.int32,
+                        device="cuda")
+    max_q = max(n for _, n in seqs)
+    ref = _causal_varlen_ref(query, key, value, seqs, 0.088)
+    for bound in (max_q, max_q + 100):
+        out = torch.full_like(query, float("nan"))
+        flash_prefill(query, key, value, cu_q, cu_k, bound, 0.088, out=out)
+        _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not FLASH_WGMMA, reason="needs an sm_90 GPU and a build for sm_90a")
+def test_flash_prefill_reads_q_k_v_out_of_one_qkv_buffer() -> None:
+    """The engine's case: q, k and v are column slices of the QKV product's rows."""
+    gen = _gen("flash_prefill_qkv")
+    seqs = [(0, 300), (0, 5), (0, 1000)]
+    total = sum(n for _, n in seqs)
+    qkv = torch.randn((total, (16 + 2 * 8) * 128), generator=gen, device="cuda").to(
+        torch.bfloat16)
+    query = qkv[:, : 16 * 128].view(total, 16, 128)
+    key = qkv[:, 16 * 128 : 24 * 128].view(total, 8, 128)
+    value = qkv[:, 24 * 128 :].view(total, 8, 128)
+    cu = torch.tensor(np.cumsum([0] + [n for _, n in seqs]), dtype=torch.int32, device="cuda")
+    out = flash_prefill(query, key, value, cu, cu, 1000, 0.088)
+    _assert_close(out, _causal_varlen_ref(query, key, value, seqs, 0.088))
 
 
 # ----------------------------------------------------------------------------
@@ -773,6 +859,25 @@ def test_decode_reference_is_dense_softmax_attention() -> None:
         for h in range(4):
             w = torch.softmax(k[:, h // 2] @ query[i, h] * 0.3, dim=0)  # [n]
             torch.testing.assert_close(out[i, h], w @ v[:, h // 2])
+
+
+@pytest.mark.parametrize(("shapes", "match"), [
+    (((8, 3, 128), (8, 1, 128)), "query heads per KV head must be even"),
+    (((8, 4, 64), (8, 2, 64)), "head_dim must be 128"),
+    (((8, 4, 128), (8, 2, 64)), "differ|head_dim"),
+])
+def test_flash_prefill_names_what_it_does_not_take(shapes: tuple, match: str) -> None:
+    """Shapes the Hopper prefill kernel does not take are refused before any launch."""
+    q_shape, kv_shape = shapes
+    query = torch.zeros(q_shape, dtype=torch.bfloat16)
+    key = torch.zeros(kv_shape, dtype=torch.bfloat16)
+    value = torch.zeros((kv_shape[0], kv_shape[1], q_shape[2]), dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        flash_prefill(query, key, value, cu, cu, 8, 0.1)
+    with pytest.raises(ValueError, match="dtype float32"):
+        flash_prefill(query.float(), key, value, cu, cu, 8, 0.1)
+    assert ops.prefill_backend(torch.device("cpu"), torch.bfloat16, 128, 2) == "sdpa"
 
 
 def test_prefill_paths_agree_on_cpu() -> None:

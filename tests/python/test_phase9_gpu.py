@@ -18,6 +18,7 @@ import torch
 from test_phase2 import Blocks, random_prompts  # phase 9 reuses phase 2's test helpers
 
 from mini_vllm import ops
+from mini_vllm.checkpoint import make_model
 from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.cuda_backend import CudaAttentionBackend
 from mini_vllm.cuda_graphs import (
@@ -29,6 +30,7 @@ from mini_vllm.cuda_graphs import (
 )
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
+from mini_vllm.ops.prefill import CAPTURABLE_PREFILL_BACKENDS
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
@@ -111,8 +113,8 @@ def _reference_and_fast_on_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyP
     ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
     monkeypatch.setattr(
         "mini_vllm.model_runner.select_attention_backend",
-        lambda device, dtype, head_dim: CudaAttentionBackend(dtype, head_dim, device,
-                                                             use_kernels=False))
+        lambda device, dtype, head_dim, group=None: CudaAttentionBackend(
+            dtype, head_dim, device, use_kernels=False))
     fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
     fast.use_fast_path = True
     return ref, fast
@@ -332,6 +334,7 @@ def test_backend_is_chosen_automatically(tiny_model_dir: Path,
     assert all(layer.self_attn.attn.backend is backend for layer in runner.model.model.layers)
     if ops.is_available():
         assert (backend.write_impl, backend.decode_impl) == ("kernel", "kernel")
+        # The tiny model's head_dim of 32 is not our Hopper kernel's.
         assert backend.prefill_impl == "flash_varlen"
     else:
         assert (backend.write_impl, backend.decode_impl) == ("torch", "torch")
@@ -436,7 +439,7 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
     layers = runner.model_config.num_hidden_layers
     assert all(len(p) == layers + 1 and len(pieces.calls[s]) == layers
                for s, p in pieces.pieces.items())
-    flash = runner.attn_backend.prefill_impl == "flash_varlen"
+    flash = runner.attn_backend.prefill_impl in CAPTURABLE_PREFILL_BACKENDS
     assert sorted(pieces.prompt_graphs) == ([16, 32, 64] if flash else [])
     runs = _spy_on_graph_runs(pieces, monkeypatch)
     vocab = runner.vocab_size
@@ -475,21 +478,37 @@ def _spy_on_graph_runs(pieces: PiecewiseGraphRunner, monkeypatch: pytest.MonkeyP
     return runs
 
 
+@pytest.fixture(scope="module")
+def head_dim_128_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with Qwen3-0.6B's head_dim of 128 (two query heads per
+    KV head): prefill attention by our Hopper kernel where it runs."""
+    return make_model(tmp_path_factory.mktemp("tiny-128"), preset="tiny",
+                      overrides={"head_dim": 128})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [32, 128])
 def test_a_lone_prompt_replays_one_graph_of_its_whole_forward(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, head_dim_128_model_dir: Path, head_dim: int,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lone prompt from position 0: one replay, whatever its length up to the
     size (5, 16, 17, 40 and then 33 tokens in the graph of 64, so a stale length
     would show); logits and the K/V it writes as an eager run's. A prompt after
     its cached prefix, and two prompts, go through the pieces. Padding rows
-    store nothing."""
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16",
+    store nothing. With head_dim 32 prefill attention is FlashAttention-2's,
+    with 128 our Hopper kernel's (on an H100/H200)."""
+    model_dir = tiny_model_dir if head_dim == 32 else head_dim_128_model_dir
+    runner = ModelRunner(engine_config(model_dir, "cuda", "bfloat16",
                                        max_piecewise_graph_tokens=64))
     pieces = runner.piecewise_runner
-    if runner.attn_backend.prefill_impl != "flash_varlen":
-        pytest.skip("prefill attention is not FlashAttention's varlen kernel here")
+    impl = runner.attn_backend.prefill_impl
+    if impl not in CAPTURABLE_PREFILL_BACKENDS:
+        pytest.skip(f"prefill attention here ({impl}) takes its bounds from the host")
+    if head_dim == 128 and ops.is_available() and ops.prefill.flash_wgmma_supported(
+            runner.device, runner.dtype, 128, 2):
+        assert impl == "flash_wgmma"
     runs = _spy_on_graph_runs(pieces, monkeypatch)
     vocab = runner.vocab_size
     lengths = [5, 16, 17, 40, 33]
@@ -499,6 +518,11 @@ def test_a_lone_prompt_replays_one_graph_of_its_whole_forward(
     for prompt, table in zip(prompts, tables):
         entries = [BatchEntry(prompt, 0, table)]
         eager = runner.execute_fast(entries, use_graph=False).float().clone()
+        if impl == "flash_wgmma":  # the same step with FlashAttention-2 as prefill attention
+            runner.attn_backend.prefill_impl = "flash_varlen"
+            fa2 = runner.execute_fast(entries, use_graph=False).float()
+            runner.attn_backend.prefill_impl = impl
+            assert ((fa2 - eager).norm() / fa2.norm()).item() < 1e-2
         written = runner.kv_cache[:, :, table].clone()
         runner.kv_cache[:, :, table] = 0
         graph = runner.execute_fast(entries, use_graph=True).float().clone()
@@ -582,7 +606,6 @@ def _hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
 def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
     """Real Qwen3-0.6B shapes, random weights: ours in bf16 vs HF in fp32 on the same weights."""
     transformers = pytest.importorskip("transformers")
-    from mini_vllm.checkpoint import make_model
 
     model_dir = make_model(tmp_path / "qwen3-0.6b", preset="qwen3-0.6b", weights=False)
     runner = ModelRunner(EngineArgs(
@@ -792,7 +815,6 @@ def test_programmatic_launch_changes_no_bit(tiny_model_dir: Path) -> None:
     A head_dim of 64 puts every fused kernel of a decode step in the chain (the
     tiny model's 32 keeps the torch norms); graphs and eager steps, batches 1 to 5.
     """
-    from mini_vllm.checkpoint import make_model
 
     path = make_model(tiny_model_dir.parent / "pdl-64", preset="tiny",
                       overrides={"head_dim": 64})
