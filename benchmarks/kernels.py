@@ -400,6 +400,9 @@ def bench_prefill(device: torch.device) -> list[dict]:
         # a prefill step of the standard throughput workload: prompts of 100 to
         # 1,024 tokens packed into one step of 8,192
         "8192 tokens of workload prompts": [(0, n) for n in _workload_chunk(8192)],
+        # the same, its first prompt the rest of one that the step before began
+        "the same after a 500-token prefix": [(500, 300)]
+        + [(0, n) for n in _workload_chunk(8192 - 300)],
     }
     rows = []
     for name, seqs in cases.items():

@@ -79,7 +79,7 @@ from mini_vllm.sequence import Request
 
 _KERNEL_CATEGORIES = (  # first match wins, on the lower-cased kernel name
     ("decode attention", ("paged_attention", "decode", "combine_splits")),
-    ("prefill attention", ("flash_fwd", "gather_kv_cache")),  # before "cutlass" below
+    ("prefill attention", ("flash_fwd", "flash_prefill", "gather_kv_cache")),  # before "cutlass" below
     ("KV write", ("reshape_and_cache", "cache_kernel")),
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("copies (e.g. logits to float32)", ("copy",)),
