@@ -32,6 +32,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "gemv_params.h"  // wgmma_gemm_supported
 #include "pdl.cuh"
 #include "prefill_params.h"
 #include "tma.cuh"
@@ -344,14 +345,8 @@ void launch(const PrefillParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool flash_prefill_supported() {
-#ifdef MINI_VLLM_HAS_SM90A
-  return device_attribute(cudaDevAttrComputeCapabilityMajor) == 9 &&
-         device_attribute(cudaDevAttrComputeCapabilityMinor) == 0;
-#else
-  return false;
-#endif
-}
+// wgmma and the TMA: the same requirement as the GEMM's (an sm_90 GPU, a 90a build).
+bool flash_prefill_supported() { return wgmma_gemm_supported(); }
 
 void flash_prefill(const PrefillParams& p, cudaStream_t stream) {
   if (!flash_prefill_supported()) {

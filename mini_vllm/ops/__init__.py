@@ -9,6 +9,7 @@ Public API:
     paged_decode_attention   one new token per sequence over its paged context
     reshape_and_cache        write new tokens' K/V into their cache slots
     prefill_attention        prompts (and prompt chunks after a cached prefix)
+    flash_prefill            the same over packed K/V by our Hopper kernel (sm_90a)
     gather_kv_cache          paged K/V -> contiguous rows
     gemv                     y = x @ W.T for 1 to 16 rows of x (decode's linear layers)
     sample_tokens            one token per row of softmax(logits / T), in one pass
@@ -34,7 +35,12 @@ from mini_vllm.ops.paged_attention import (
     longest_first,
     paged_decode_attention,
 )
-from mini_vllm.ops.prefill import PREFILL_BACKENDS, prefill_attention, prefill_backend
+from mini_vllm.ops.prefill import (
+    PREFILL_BACKENDS,
+    flash_prefill,
+    prefill_attention,
+    prefill_backend,
+)
 from mini_vllm.ops.sampling import sample_tokens
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "DEFAULT_DECODE_VERSION",
     "PREFILL_BACKENDS",
     "decode_partition_size",
+    "flash_prefill",
     "gather_kv_cache",
     "gemv",
     "is_available",

@@ -34,6 +34,7 @@ CAPTURABLE_PREFILL_BACKENDS = ("flash_wgmma", "flash_varlen")
 FLASH_WGMMA_HEAD_DIM = 128
 
 
+# --8<-- [start:choose]
 def flash_wgmma_supported(device: torch.device, dtype: torch.dtype, head_dim: int,
                           group: int) -> bool:
     """Whether our Hopper prefill kernel runs here, for these heads.
@@ -64,6 +65,7 @@ def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int | No
             and torch.cuda.get_device_capability(device)[0] >= 8):
         return "flash_varlen"
     return "sdpa"
+# --8<-- [end:choose]
 
 
 def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
