@@ -207,7 +207,8 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t cu_q, std::uintptr_t cu_k, int num_seqs, int num_q_heads,
          int num_kv_heads, int head_dim, int total_q, int total_k, int64_t q_stride,
          int64_t k_stride, int64_t v_stride, int max_q, float scale, int dtype,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t block_tables, int max_blocks_per_seq,
+         int block_size, int64_t num_blocks) {
         PrefillParams p;
         p.out = as_ptr<void>(out);
         p.q = as_ptr<const void>(q);
@@ -227,12 +228,18 @@ PYBIND11_MODULE(_C, m) {
         p.max_q = max_q;
         p.scale = scale;
         p.dtype = as_dtype(dtype);
+        p.block_tables = as_ptr<const int32_t>(block_tables);
+        p.max_blocks_per_seq = max_blocks_per_seq;
+        p.block_size = block_size;
+        p.num_blocks = num_blocks;
         flash_prefill(p, as_stream(stream));
       },
-      "Causal varlen prefill attention on sm_90a (TMA + wgmma; see PrefillParams).",
+      "Causal varlen prefill attention on sm_90a (TMA + wgmma), over packed K/V rows or, "
+      "with block_tables, the paged cache (see PrefillParams).",
       py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_q"),
       py::arg("cu_k"), py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
       py::arg("head_dim"), py::arg("total_q"), py::arg("total_k"), py::arg("q_stride"),
       py::arg("k_stride"), py::arg("v_stride"), py::arg("max_q"), py::arg("scale"),
-      py::arg("dtype"), py::arg("stream"));
+      py::arg("dtype"), py::arg("stream"), py::arg("block_tables") = 0,
+      py::arg("max_blocks_per_seq") = 0, py::arg("block_size") = 0, py::arg("num_blocks") = 0);
 }

@@ -6,6 +6,9 @@
 //
 //   q   [total_q, num_q_heads, 128]    rows of seq i: cu_q[i] .. cu_q[i + 1]
 //   k/v [total_k, num_kv_heads, 128]   rows of seq i: cu_k[i] .. cu_k[i + 1]
+//       or (PAGED) the paged cache [num_blocks, block_size, num_kv_heads, 128]:
+//       seq i's key t in block block_tables[i][t / block_size], and its key
+//       count cu_k[i + 1] - cu_k[i]
 //   out [total_q, num_q_heads, 128]    contiguous
 //
 // Query token j of a sequence with q_len new tokens and k_len keys sits at
@@ -28,6 +31,11 @@
 //   - Causal: a CTA reads only the tiles up to its last query's position and
 //     masks the tiles that cross it; the grid starts with the last (longest)
 //     query blocks of every sequence.
+//   - PAGED: the producer copies a tile of keys block by block out of the
+//     cache, through the block table (a prompt after a cached prefix needs no
+//     gather); V's rows past the sequence's last key, whatever the cache holds
+//     there, are zeroed before P V reads them.
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -130,13 +138,14 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 }
 
 // --8<-- [start:kernel]
-template <typename T>
+template <typename T, bool PAGED>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_prefill_kernel(const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, T* __restrict__ out,
                          const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
-                         int out_row_stride, int group, float scale_log2) {
+                         const int32_t* __restrict__ block_tables, int table_stride,
+                         int block_shift, int out_row_stride, int group, float scale_log2) {
 #ifdef MINI_VLLM_WGMMA
   extern __shared__ uint8_t smem_raw[];
   const uint32_t q_tile = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -151,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int block = gridDim.z - 1 - blockIdx.z;  // the last query blocks, the longest, first
   pdl_wait();  // Q, K and V are the kernels' before
   const int q_begin = cu_q[seq], q_len = cu_q[seq + 1] - q_begin;
-  const int k_begin = cu_k[seq], k_len = cu_k[seq + 1] - k_begin;
+  const int k_begin = cu_k[seq], k_len = cu_k[seq + 1] - k_begin;  // PAGED: k_begin unused
   const int q0 = block * kBM;
   if (q0 >= q_len) return;  // past this sequence's queries: the whole CTA
   const int offset = k_len - q_len;  // query j's key position: offset + j
@@ -179,16 +188,39 @@ __global__ void __launch_bounds__(kThreads, 1)
                       2 * pair + h, q_begin + q0);
         }
       }
+      // PAGED: a tile is `pieces` boxes of `box` keys, each inside one block.
+      const int box = PAGED ? min(kBN, 1 << block_shift) : kBN;
+      const int32_t* table = PAGED ? block_tables + static_cast<int64_t>(seq) * table_stride
+                                   : nullptr;
       for (int j = 0; j < tiles; ++j) {
         const int s = j % kStages;
         if (j >= kStages) mbarrier_wait(empty + 8 * s, (j / kStages - 1) & 1);
-        mbarrier_arrive_expect_tx(full + 8 * s, kStageBytes);
         const uint32_t stage = ring + s * kStageBytes;
-        for (int half = 0; half < 2; ++half) {
-          tma_load_3d(stage + half * kHalfBytes, &k_map, full + 8 * s, 64 * half, kv_head,
-                      k_begin + j * kBN);
-          tma_load_3d(stage + (2 + half) * kHalfBytes, &v_map, full + 8 * s, 64 * half, kv_head,
-                      k_begin + j * kBN);
+        if constexpr (PAGED) {
+          // The boxes that hold keys of the sequence (the rest of the tile is
+          // masked, and its V rows zeroed by the consumers).
+          const int pieces = min(kBN, k_len - j * kBN + box - 1) / box;
+          mbarrier_arrive_expect_tx(full + 8 * s, pieces * box * 128 * 2 * 2);
+          for (int b = 0; b < pieces; ++b) {
+            const int key = j * kBN + b * box;
+            const int phys = table[key >> block_shift];
+            const int in_block = key & ((1 << block_shift) - 1);
+            const uint32_t row = b * box * 128;  // bytes: a key's 64 dims are 128
+            for (int half = 0; half < 2; ++half) {
+              tma_load_4d(stage + half * kHalfBytes + row, &k_map, full + 8 * s, 64 * half,
+                          kv_head, in_block, phys);
+              tma_load_4d(stage + (2 + half) * kHalfBytes + row, &v_map, full + 8 * s,
+                          64 * half, kv_head, in_block, phys);
+            }
+          }
+        } else {
+          mbarrier_arrive_expect_tx(full + 8 * s, kStageBytes);
+          for (int half = 0; half < 2; ++half) {
+            tma_load_3d(stage + half * kHalfBytes, &k_map, full + 8 * s, 64 * half, kv_head,
+                        k_begin + j * kBN);
+            tma_load_3d(stage + (2 + half) * kHalfBytes, &v_map, full + 8 * s, 64 * half,
+                        kv_head, k_begin + j * kBN);
+          }
         }
       }
     }
@@ -277,6 +309,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         o[4 * n + 2 * half + 1] *= alpha;
       }
     }
+    if constexpr (PAGED) {
+      // V's rows past the last key hold whatever the cache (or an earlier tile)
+      // left there, NaN included, and 0 x NaN is NaN: zero them (both consumers
+      // write the same zeros), then hand the writes to the async proxy.
+      const int valid = k_len - key0;
+      if (valid < kBN) {
+        uint8_t* v_tile = smem_raw + (stage - smem_addr(smem_raw)) + 2 * kHalfBytes;
+        const int bytes = (kBN - valid) * 128;  // per half, whole rows
+        for (int i = threadIdx.x % 128 * 16; i < bytes; i += 128 * 16) {
+          *reinterpret_cast<uint4*>(v_tile + valid * 128 + i) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(v_tile + kHalfBytes + valid * 128 + i) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_shared();
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + c) : "memory");
+      }
+    }
     // P as wgmma's A operand: for keys 16 t .. 16 t + 15, this thread's
     // values of S's groups 2 t and 2 t + 1, in the order they lie.
     uint32_t p[kBN / 16][4];
@@ -321,9 +370,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 // --8<-- [end:kernel]
 
-template <typename T>
+template <typename T, bool PAGED>
 void launch(const PrefillParams& p, cudaStream_t stream) {
-  const void* kernel = reinterpret_cast<const void*>(flash_prefill_kernel<T>);
+  const void* kernel = reinterpret_cast<const void*>(flash_prefill_kernel<T, PAGED>);
   allow_dynamic_smem(kernel, kSmemBytes);
   // [tokens, heads, 128] with the token stride given: boxes of 64 dims x 1 head x 64 tokens.
   auto map = [&](const void* base, int heads, int tokens, int64_t stride) {
@@ -333,12 +382,26 @@ void launch(const PrefillParams& p, cudaStream_t stream) {
     const uint32_t box[3] = {64, 1, kBM};
     return make_tensor_map(base, p.dtype, 3, sizes, strides, box);
   };
+  // PAGED: [blocks, block_size, heads, 128] contiguous, boxes of 64 dims x 1
+  // head x up to 64 keys of one block.
+  auto paged_map = [&](const void* base) {
+    const uint64_t sizes[4] = {kHeadDim, static_cast<uint64_t>(p.num_kv_heads),
+                               static_cast<uint64_t>(p.block_size),
+                               static_cast<uint64_t>(p.num_blocks)};
+    const uint64_t row = static_cast<uint64_t>(p.num_kv_heads) * kHeadDim * 2;
+    const uint64_t strides[3] = {kHeadDim * 2, row, row * p.block_size};
+    const uint32_t box[4] = {64, 1, static_cast<uint32_t>(std::min(p.block_size, kBN)), 1};
+    return make_tensor_map(base, p.dtype, 4, sizes, strides, box);
+  };
   const CUtensorMap q_map = map(p.q, p.num_q_heads, p.total_q, p.q_stride);
-  const CUtensorMap k_map = map(p.k, p.num_kv_heads, p.total_k, p.k_stride);
-  const CUtensorMap v_map = map(p.v, p.num_kv_heads, p.total_k, p.v_stride);
+  const CUtensorMap k_map = PAGED ? paged_map(p.k) : map(p.k, p.num_kv_heads, p.total_k,
+                                                         p.k_stride);
+  const CUtensorMap v_map = PAGED ? paged_map(p.v) : map(p.v, p.num_kv_heads, p.total_k,
+                                                         p.v_stride);
   const dim3 grid(p.num_q_heads / 2, p.num_seqs, ceil_div(p.max_q, kBM));
-  launch_kernel(flash_prefill_kernel<T>, grid, dim3(kThreads), kSmemBytes, stream,
+  launch_kernel(flash_prefill_kernel<T, PAGED>, grid, dim3(kThreads), kSmemBytes, stream,
                 "flash_prefill", q_map, k_map, v_map, static_cast<T*>(p.out), p.cu_q, p.cu_k,
+                p.block_tables, p.max_blocks_per_seq, PAGED ? log2_exact(p.block_size) : 0,
                 p.num_q_heads * kHeadDim, p.num_q_heads / p.num_kv_heads,
                 static_cast<float>(p.scale * M_LOG2E));
 }
@@ -363,10 +426,16 @@ void flash_prefill(const PrefillParams& p, cudaStream_t stream) {
     throw std::invalid_argument("flash_prefill: an empty batch");
   }
   if (p.num_seqs > 65535) throw std::invalid_argument("flash_prefill: at most 65535 sequences");
+  const bool paged = p.block_tables != nullptr;
+  if (paged && (p.block_size < 16 || p.block_size > 256 ||
+                (p.block_size & (p.block_size - 1)) || p.num_blocks < 1)) {
+    throw std::invalid_argument("flash_prefill: a paged cache needs blocks of 16 to 256 tokens, "
+                                "a power of two");
+  }
   if (p.dtype == DType::kBFloat16) {
-    launch<__nv_bfloat16>(p, stream);
+    paged ? launch<__nv_bfloat16, true>(p, stream) : launch<__nv_bfloat16, false>(p, stream);
   } else if (p.dtype == DType::kFloat16) {
-    launch<__half>(p, stream);
+    paged ? launch<__half, true>(p, stream) : launch<__half, false>(p, stream);
   } else {
     throw std::invalid_argument("flash_prefill: dtype must be float16 or bfloat16");
   }

@@ -19,6 +19,11 @@ namespace mini_vllm {
 //
 // Each sequence has at least as many keys as queries; query j of a sequence
 // sees keys 0 .. k_len - q_len + j. max_q bounds every q_len (it sizes the grid).
+//
+// Paged (block_tables set): k/v are the cache [num_blocks, block_size,
+// num_kv_heads, 128], contiguous, block_size a power of two from 16 to 256;
+// seq i's key t lies in block block_tables[i * max_blocks_per_seq + t / block_size],
+// and cu_k gives each sequence's key count only (k_stride, v_stride, total_k unused).
 struct PrefillParams {
   void* out = nullptr;
   const void* q = nullptr;
@@ -37,6 +42,10 @@ struct PrefillParams {
   int64_t v_stride = 0;
   int max_q = 0;
   float scale = 1.f;
+  const int32_t* block_tables = nullptr;  // null: k/v are packed rows
+  int max_blocks_per_seq = 0;
+  int block_size = 0;
+  int64_t num_blocks = 0;
   DType dtype = DType::kBFloat16;
 };
 

@@ -131,6 +131,66 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+def flash_prefill_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                        max_q: int, scale: float) -> torch.Tensor:
+    """`flash_prefill` with K/V read straight out of the paged cache: no gather.
+
+    Args:
+        query: [total_q, num_q_heads, 128], heads and dims dense (rows may be strided).
+        k_cache: [num_blocks, block_size, num_kv_heads, 128], contiguous, block_size a
+            power of two from 16 to 256, holding every key (the new tokens' included).
+        v_cache: like `k_cache`.
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+        cu_q: [num_seqs + 1] int32, query rows of each sequence (cumulative).
+        cu_k: [num_seqs + 1] int32, cumulative key counts (each sequence's context
+            length, at least its query count).
+        max_q: a bound of every sequence's query count (a host int).
+        scale: softmax scale.
+
+    Returns:
+        [total_q, num_q_heads, 128] in the query's dtype.
+
+    Raises:
+        ValueError: on shapes, dtypes or layouts the kernel does not take (named).
+    """
+    check_tensor("query", query, ndim=3, dtypes=(torch.float16, torch.bfloat16),
+                 contiguous=False)
+    stride = query.stride()
+    if stride[2] != 1 or stride[1] != query.shape[2] or stride[0] % 8 or query.data_ptr() % 16:
+        raise ValueError(f"query: heads and dims must be dense, the row stride a multiple of "
+                         f"8 elements and the start on 16 bytes, got strides {stride}")
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache,
+                                                                    (query.dtype,))
+    total_q, num_q_heads, _ = query.shape
+    if head_dim != FLASH_WGMMA_HEAD_DIM or query.shape[2] != head_dim:
+        raise ValueError(f"head_dim must be {FLASH_WGMMA_HEAD_DIM}, got {query.shape[2]}")
+    if num_q_heads % num_kv_heads or (num_q_heads // num_kv_heads) % 2:
+        raise ValueError(f"query heads per KV head must be even, got {num_q_heads} / "
+                         f"{num_kv_heads}")
+    if not 16 <= block_size <= 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two from 16 to 256, got {block_size}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    for name, t in (("cu_q", cu_q), ("cu_k", cu_k)):
+        check_tensor(name, t, ndim=1, dtypes=(torch.int32,))
+    num_seqs = cu_q.shape[0] - 1
+    if cu_k.shape[0] - 1 != num_seqs or num_seqs < 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"cu_q {tuple(cu_q.shape)}, cu_k {tuple(cu_k.shape)} and "
+                         f"block_tables {tuple(block_tables.shape)} must describe the same "
+                         "num_seqs >= 1 sequences")
+    out = torch.empty((total_q, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if total_q == 0 or max_q < 1:
+        return out
+    with torch.cuda.device(query.device):
+        extension().flash_prefill(
+            out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            cu_q.data_ptr(), cu_k.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
+            total_q, 1, stride[0], 0, 0, max_q, float(scale), dtype_code(query.dtype),
+            torch.cuda.current_stream(query.device).cuda_stream, block_tables.data_ptr(),
+            block_tables.shape[1], block_size, num_blocks)
+    return out
+
+
 def _gather_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, cu_k: torch.Tensor, total: int,
                   max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +296,11 @@ def prefill_attention(
     max_q, max_k = max(q_lens), max(context_lens_cpu)
     if key is not None and value is not None and q_lens == list(context_lens_cpu):
         k, v, cu_k = key, value, query_start_loc  # no cached prefix: nothing to gather
+    elif backend == "flash_wgmma" and 16 <= k_cache.shape[1] <= 256:
+        # Our kernel reads the contexts out of the cache through the block tables.
+        cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
+        return flash_prefill_paged(query, k_cache, v_cache, block_tables, query_start_loc,
+                                   cu_k, max_q, scale)
     else:
         cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
         k, v = _gather_paged(k_cache, v_cache, block_tables, context_lens, cu_k,
