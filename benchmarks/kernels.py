@@ -358,11 +358,13 @@ def _prefill_paths(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     paths = {}
     if flash_wgmma_supported(query.device, query.dtype, query.shape[2],
                              query.shape[1] // key.shape[1]):
-        # ours (the engine's choice where it runs), then the same always gathering
+        # ours (the engine's choice where it runs: the step's own K/V for fresh
+        # prompts, the cache through the block tables otherwise), then the same
+        # always reading the cache
         paths["flash_wgmma"] = lambda: ops.prefill_attention(
             query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_wgmma",
             key=key if fresh else None, value=value if fresh else None, **kw)
-        paths["flash_wgmma_gather"] = lambda: ops.prefill_attention(
+        paths["flash_wgmma_paged"] = lambda: ops.prefill_attention(
             query, k_cache, v_cache, tables, qsl, ctx, scale, backend="flash_wgmma", **kw)
     return paths | {
         # PyTorch's FlashAttention-2, no gather when no sequence has a cached prefix

@@ -688,6 +688,32 @@ def test_flash_prefill(dtype: torch.dtype, batch: str, heads: tuple[int, int]) -
 @pytest.mark.gpu
 @gpu
 @pytest.mark.skipif(not FLASH_WGMMA, reason="needs an sm_90 GPU and a build for sm_90a")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("batch", ["after a prefix", "long after a prefix", "odd prompts"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_flash_prefill_reads_the_paged_cache(dtype: torch.dtype, batch: str,
+                                             block_size: int) -> None:
+    """Our kernel over K/V read out of the cache through the block tables (the
+    path of every step with a cached prefix): blocks in random order, NaN in
+    every slot no sequence owns and past each context in its last block, which
+    must not reach the output."""
+    gen = _gen("flash_prefill_paged", str(dtype), batch, block_size)
+    seqs = FLASH_PREFILL_BATCHES[batch]
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, tables, ctx = _paged_batch(lens, block_size, 8, 128, dtype, "cuda", gen)
+    starts = np.cumsum([0] + [n for _, n in seqs]).tolist()
+    qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    query = torch.randn((starts[-1], 16, 128), generator=gen, device="cuda").to(dtype)
+    ref = prefill_attention_ref(query, k_cache, v_cache, tables, qsl, ctx, 0.088)
+    out = ops.prefill_attention(query, k_cache, v_cache, tables, qsl, ctx, 0.088,
+                                query_start_loc_cpu=starts, context_lens_cpu=lens,
+                                backend="flash_wgmma")
+    _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not FLASH_WGMMA, reason="needs an sm_90 GPU and a build for sm_90a")
 def test_flash_prefill_reads_q_k_v_out_of_one_qkv_buffer() -> None:
     """The engine's case: q, k and v are column slices of the QKV product's rows."""
     gen = _gen("flash_prefill_qkv")
