@@ -20,7 +20,7 @@ import torch
 
 from mini_vllm import ops
 from mini_vllm.ops.paged_attention import V7_HEAD_DIMS, decode_grid, heads_per_cta, v8_counters
-from mini_vllm.ops.prefill import flash_prefill, flash_wgmma_supported
+from mini_vllm.ops.prefill import flash_prefill, flash_prefill_paged, flash_wgmma_supported
 from mini_vllm.ops.reference import (
     gather_context_ref,
     paged_decode_attention_ref,
@@ -904,6 +904,21 @@ def test_flash_prefill_names_what_it_does_not_take(shapes: tuple, match: str) ->
     with pytest.raises(ValueError, match="dtype float32"):
         flash_prefill(query.float(), key, value, cu, cu, 8, 0.1)
     assert ops.prefill_backend(torch.device("cpu"), torch.bfloat16, 128, 2) == "sdpa"
+
+
+def test_flash_prefill_paged_names_what_it_does_not_take() -> None:
+    """The paged read takes blocks of 16 to 256 tokens and tables of int32, or says so."""
+    query = torch.zeros((8, 4, 128), dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    tables = torch.zeros((1, 2), dtype=torch.int32)
+    small = torch.zeros((4, 8, 2, 128), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size must be a power of two from 16 to 256"):
+        flash_prefill_paged(query, small, small, tables, cu, cu, 8, 0.1)
+    cache = torch.zeros((2, 16, 2, 128), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_tables: dtype int64"):
+        flash_prefill_paged(query, cache, cache, tables.long(), cu, cu, 8, 0.1)
+    with pytest.raises(ValueError, match="query heads per KV head must be even"):
+        flash_prefill_paged(query[:, :3], cache, cache, tables, cu, cu, 8, 0.1)
 
 
 def test_prefill_paths_agree_on_cpu() -> None:
