@@ -68,6 +68,17 @@ def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int | No
 # --8<-- [end:choose]
 
 
+def _check_flash_heads(query: torch.Tensor, num_kv_heads: int, kv_head_dim: int) -> None:
+    """The heads our Hopper kernel takes: head_dim 128 on both sides, an even group."""
+    _, num_q_heads, head_dim = query.shape
+    if head_dim != FLASH_WGMMA_HEAD_DIM or kv_head_dim != head_dim:
+        raise ValueError(f"head_dim must be {FLASH_WGMMA_HEAD_DIM} for query and keys, got "
+                         f"{head_dim} and {kv_head_dim}")
+    if num_q_heads % num_kv_heads or (num_q_heads // num_kv_heads) % 2:
+        raise ValueError(f"query heads per KV head must be even, got {num_q_heads} / "
+                         f"{num_kv_heads}")
+
+
 def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,11 +115,7 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     total_q, num_q_heads, head_dim = query.shape
     total_k, num_kv_heads, _ = key.shape
-    if head_dim != FLASH_WGMMA_HEAD_DIM or key.shape[2] != head_dim:
-        raise ValueError(f"head_dim must be {FLASH_WGMMA_HEAD_DIM}, got {head_dim}")
-    if num_q_heads % num_kv_heads or (num_q_heads // num_kv_heads) % 2:
-        raise ValueError(f"query heads per KV head must be even, got {num_q_heads} / "
-                         f"{num_kv_heads}")
+    _check_flash_heads(query, key.shape[1], key.shape[2])
     for name, t in (("cu_q", cu_q), ("cu_k", cu_k)):
         check_tensor(name, t, ndim=1, dtypes=(torch.int32,))
     if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
@@ -163,11 +170,7 @@ def flash_prefill_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache,
                                                                     (query.dtype,))
     total_q, num_q_heads, _ = query.shape
-    if head_dim != FLASH_WGMMA_HEAD_DIM or query.shape[2] != head_dim:
-        raise ValueError(f"head_dim must be {FLASH_WGMMA_HEAD_DIM}, got {query.shape[2]}")
-    if num_q_heads % num_kv_heads or (num_q_heads // num_kv_heads) % 2:
-        raise ValueError(f"query heads per KV head must be even, got {num_q_heads} / "
-                         f"{num_kv_heads}")
+    _check_flash_heads(query, num_kv_heads, head_dim)
     if not 16 <= block_size <= 256 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 16 to 256, got {block_size}")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
