@@ -1,12 +1,14 @@
 """Attention for prefill and for prompts that continue a cached prefix.
 
 Every new token of a sequence attends to the sequence's paged context up to
-and including itself. Measured on an H200 (chapter 8), the fastest way we
-have is PyTorch's FlashAttention-2 varlen kernel over K/V gathered out of the
-paged cache by our gather kernel; with no cached prefix anywhere in the
-batch, the step's own K/V are used directly and nothing is gathered. Where
-FlashAttention is missing (CPU, float32, older PyTorch) a torch-only path
-runs scaled_dot_product_attention sequence by sequence.
+and including itself. With no cached prefix anywhere in the batch, the step's
+own K/V are used directly. Otherwise, on an H100/H200 our Hopper kernel
+(csrc/flash_prefill.cu, measured 1.6-2.1x PyTorch's FlashAttention-2 in
+chapter 8) reads the contexts out of the paged cache through the block
+tables; elsewhere PyTorch's FlashAttention-2 varlen kernel attends over K/V
+gathered out of the cache by our gather kernel. Where FlashAttention is
+missing (CPU, float32, older PyTorch) a torch-only path runs
+scaled_dot_product_attention sequence by sequence.
 
     query rows:   | seq 0: q0 new tokens | seq 1: q1 | ...       (query_start_loc)
     gathered K/V: | seq 0: n0 context tokens | seq 1: n1 | ...  (cu_seqlens_k)
