@@ -311,8 +311,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (PAGED) {
       // V's rows past the last key hold whatever the cache (or an earlier tile)
-      // left there, NaN included, and 0 x NaN is NaN: zero them (both consumers
-      // write the same zeros), then hand the writes to the async proxy.
+      // left there, NaN included, and 0 x NaN is NaN: zero them, then hand the
+      // writes to the async proxy. Both consumers write the same zeros to the
+      // same rows, so one may still be writing while the other's products read
+      // them: a benign race, every value either writes being zero. (Without
+      // PAGED, rows past a sequence are the next sequence's K/V or the TMA's
+      // zeros past the tensor: finite, so P's zeros cancel them.)
       const int valid = k_len - key0;
       if (valid < kBN) {
         uint8_t* v_tile = smem_raw + (stage - smem_addr(smem_raw)) + 2 * kHalfBytes;

@@ -3,7 +3,7 @@
 Every new token of a sequence attends to the sequence's paged context up to
 and including itself. With no cached prefix anywhere in the batch, the step's
 own K/V are used directly. Otherwise, on an H100/H200 our Hopper kernel
-(csrc/flash_prefill.cu, measured 1.6-2.1x PyTorch's FlashAttention-2 in
+(csrc/flash_prefill.cu, measured 1.5-2.1x PyTorch's FlashAttention-2 in
 chapter 8) reads the contexts out of the paged cache through the block
 tables; elsewhere PyTorch's FlashAttention-2 varlen kernel attends over K/V
 gathered out of the cache by our gather kernel. Where FlashAttention is
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mini_vllm.ops._checks import check_kv_cache, check_tensor
+from mini_vllm.ops._checks import check_kv_cache, check_same_device, check_tensor
 from mini_vllm.ops._extension import dtype_code, extension, is_available
 from mini_vllm.ops.cache_ops import gather_kv_cache
 from mini_vllm.ops.reference import gather_context_ref
@@ -120,6 +120,7 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _check_flash_heads(query, key.shape[1], key.shape[2])
     for name, t in (("cu_q", cu_q), ("cu_k", cu_k)):
         check_tensor(name, t, ndim=1, dtypes=(torch.int32,))
+    check_same_device(query=query, key=key, value=value, cu_q=cu_q, cu_k=cu_k)
     if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
         raise ValueError(f"cu_q {tuple(cu_q.shape)} and cu_k {tuple(cu_k.shape)} must both "
                          "have num_seqs + 1 >= 2 entries")
@@ -175,9 +176,13 @@ def flash_prefill_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check_flash_heads(query, num_kv_heads, head_dim)
     if not 16 <= block_size <= 256 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two from 16 to 256, got {block_size}")
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        raise ValueError("k_cache, v_cache: must start on 16 bytes (the TMA copies from them)")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     for name, t in (("cu_q", cu_q), ("cu_k", cu_k)):
         check_tensor(name, t, ndim=1, dtypes=(torch.int32,))
+    check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      cu_q=cu_q, cu_k=cu_k)
     num_seqs = cu_q.shape[0] - 1
     if cu_k.shape[0] - 1 != num_seqs or num_seqs < 1 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"cu_q {tuple(cu_q.shape)}, cu_k {tuple(cu_k.shape)} and "
@@ -301,6 +306,9 @@ def prefill_attention(
     max_q, max_k = max(q_lens), max(context_lens_cpu)
     if key is not None and value is not None and q_lens == list(context_lens_cpu):
         k, v, cu_k = key, value, query_start_loc  # no cached prefix: nothing to gather
+    elif max_k > block_tables.shape[1] * k_cache.shape[1]:  # the paths below read the tables
+        raise ValueError(f"block_tables: {block_tables.shape[1]} blocks of {k_cache.shape[1]} "
+                         f"tokens a sequence cannot hold a context of {max_k}")
     elif backend == "flash_wgmma" and 16 <= k_cache.shape[1] <= 256:
         # Our kernel reads the contexts out of the cache through the block tables.
         cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
