@@ -921,6 +921,20 @@ def test_flash_prefill_paged_names_what_it_does_not_take() -> None:
         flash_prefill_paged(query[:, :3], cache, cache, tables, cu, cu, 8, 0.1)
 
 
+@pytest.mark.parametrize("backend", ["flash_wgmma", "flash_varlen"])
+def test_prefill_attention_refuses_tables_too_narrow(backend: str) -> None:
+    """A path that reads the block tables refuses tables too narrow for the
+    contexts, before any launch (here one block of 16 tokens for a context of 40)."""
+    cache = torch.zeros((4, 16, 2, 128), dtype=torch.bfloat16)
+    query = torch.zeros((4, 4, 128), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot hold a context of 40"):
+        ops.prefill_attention(query, cache, cache, torch.tensor([[1]], dtype=torch.int32),
+                              torch.tensor([0, 4], dtype=torch.int32),
+                              torch.tensor([40], dtype=torch.int32), 0.1,
+                              query_start_loc_cpu=[0, 4], context_lens_cpu=[40],
+                              backend=backend)
+
+
 def test_prefill_paths_agree_on_cpu() -> None:
     """The torch-only prefill path, the reference and the engine's reference agree."""
     attention = pytest.importorskip("mini_vllm.attention")
