@@ -62,10 +62,6 @@ constexpr int kQBytes = kConsumers * 2 * kHalfBytes;  // Q: two heads, two halve
 constexpr int kStageBytes = 4 * kHalfBytes;           // K: two halves, V: two halves
 constexpr size_t kSmemBytes = 1024 + kQBytes + kStages * kStageBytes + 8 * (1 + 2 * kStages);
 
-[[maybe_unused]] __device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 [[maybe_unused]] __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -128,15 +124,6 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a
 #endif
 }
 
-// Two floats as one register of two 16-bit values (the low one first).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  struct alignas(4) Pair {
-    T lo, hi;
-  } pair{TypeTraits<T>::from_float(lo), TypeTraits<T>::from_float(hi)};
-  return *reinterpret_cast<uint32_t*>(&pair);
-}
-
 // --8<-- [start:kernel]
 template <typename T, bool PAGED>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -148,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          int block_shift, int out_row_stride, int group, float scale_log2) {
 #ifdef MINI_VLLM_WGMMA
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t q_tile = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_tile = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t ring = q_tile + kQBytes;
   const uint32_t q_full = ring + kStages * kStageBytes;
   const uint32_t full = q_full + 8;
@@ -319,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // zeros past the tensor: finite, so P's zeros cancel them.)
       const int valid = k_len - key0;
       if (valid < kBN) {
-        uint8_t* v_tile = smem_raw + (stage - smem_addr(smem_raw)) + 2 * kHalfBytes;
+        uint8_t* v_tile = smem_raw + (stage - smem_u32(smem_raw)) + 2 * kHalfBytes;
         const int bytes = (kBN - valid) * 128;  // per half, whole rows
         for (int i = threadIdx.x % 128 * 16; i < bytes; i += 128 * 16) {
           *reinterpret_cast<uint4*>(v_tile + valid * 128 + i) = make_uint4(0, 0, 0, 0);

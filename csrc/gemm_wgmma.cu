@@ -80,10 +80,6 @@ struct Layout {
   static_assert(kDataBytes <= 192 * 1024);
 };
 
-[[maybe_unused]] __device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // --8<-- [start:cluster]
 // Every thread of every CTA of the cluster: writes to shared memory before
 // the barrier are visible to the whole cluster after it.

@@ -26,6 +26,12 @@ namespace mini_vllm {
 CUtensorMap make_tensor_map(const void* base, DType dtype, int rank, const uint64_t* sizes,
                             const uint64_t* strides, const uint32_t* box);
 
+// The 32-bit shared-memory address of `p` (what mbarrier, TMA and wgmma
+// descriptors take).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // --8<-- [start:tma_ptx]
 // Make this thread's barrier count `count` arrivals per phase.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {

@@ -61,21 +61,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
 // mma_16x8x16 (d += a b on the tensor cores): csrc/mma.cuh, shared with the GEMV.
 // --8<-- [end:ptx]
 
-// Two floats -> one register of two 16-bit elements, `lo` in the low half.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
+// pack2 (two floats -> one register of two 16-bit elements): csrc/common.cuh.
 
 // --8<-- [start:swizzle]
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of shared
