@@ -70,6 +70,17 @@ def prefill_backend(device: torch.device, dtype: torch.dtype, head_dim: int | No
 # --8<-- [end:choose]
 
 
+def _check_token_rows(name: str, t: torch.Tensor) -> None:
+    """[tokens, heads, 128] rows as the kernel's tensor maps read them: heads and
+    dims dense, the row stride a multiple of 16 bytes and the start on 16 bytes."""
+    check_tensor(name, t, ndim=3, dtypes=(torch.float16, torch.bfloat16), contiguous=False)
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) % 8:
+        raise ValueError(f"{name}: heads and dims must be dense and the row stride a "
+                         f"multiple of 8 elements, got strides {t.stride()}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: must start on 16 bytes")
+
+
 def _check_flash_heads(query: torch.Tensor, num_kv_heads: int, kv_head_dim: int) -> None:
     """The heads our Hopper kernel takes: head_dim 128 on both sides, an even group."""
     _, num_q_heads, head_dim = query.shape
@@ -105,12 +116,7 @@ def flash_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         ValueError: on shapes, dtypes or strides the kernel does not take (named).
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, ndim=3, dtypes=(torch.float16, torch.bfloat16), contiguous=False)
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) % 8:
-            raise ValueError(f"{name}: heads and dims must be dense and the row stride a "
-                             f"multiple of 8 elements, got strides {t.stride()}")
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: must start on 16 bytes")
+        _check_token_rows(name, t)
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise ValueError("query, key and value must have one dtype")
     if key.shape != value.shape:
@@ -164,12 +170,7 @@ def flash_prefill_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Raises:
         ValueError: on shapes, dtypes or layouts the kernel does not take (named).
     """
-    check_tensor("query", query, ndim=3, dtypes=(torch.float16, torch.bfloat16),
-                 contiguous=False)
-    stride = query.stride()
-    if stride[2] != 1 or stride[1] != query.shape[2] or stride[0] % 8 or query.data_ptr() % 16:
-        raise ValueError(f"query: heads and dims must be dense, the row stride a multiple of "
-                         f"8 elements and the start on 16 bytes, got strides {stride}")
+    _check_token_rows("query", query)
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache,
                                                                     (query.dtype,))
     total_q, num_q_heads, _ = query.shape
@@ -195,7 +196,7 @@ def flash_prefill_paged(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         extension().flash_prefill(
             out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             cu_q.data_ptr(), cu_k.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-            total_q, 1, stride[0], 0, 0, max_q, float(scale), dtype_code(query.dtype),
+            total_q, 1, query.stride(0), 0, 0, max_q, float(scale), dtype_code(query.dtype),
             torch.cuda.current_stream(query.device).cuda_stream, block_tables.data_ptr(),
             block_tables.shape[1], block_size, num_blocks)
     return out
@@ -309,13 +310,12 @@ def prefill_attention(
     elif max_k > block_tables.shape[1] * k_cache.shape[1]:  # the paths below read the tables
         raise ValueError(f"block_tables: {block_tables.shape[1]} blocks of {k_cache.shape[1]} "
                          f"tokens a sequence cannot hold a context of {max_k}")
-    elif backend == "flash_wgmma" and 16 <= k_cache.shape[1] <= 256:
-        # Our kernel reads the contexts out of the cache through the block tables.
-        cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
-        return flash_prefill_paged(query, k_cache, v_cache, block_tables, query_start_loc,
-                                   cu_k, max_q, scale)
     else:
         cu_k = F.pad(torch.cumsum(context_lens, 0, dtype=torch.int32), (1, 0))
+        if backend == "flash_wgmma" and 16 <= k_cache.shape[1] <= 256:
+            # Our kernel reads the contexts out of the cache through the block tables.
+            return flash_prefill_paged(query, k_cache, v_cache, block_tables,
+                                       query_start_loc, cu_k, max_q, scale)
         k, v = _gather_paged(k_cache, v_cache, block_tables, context_lens, cu_k,
                              sum(context_lens_cpu), max_k)
     if backend == "flash_wgmma":
