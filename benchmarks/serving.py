@@ -88,6 +88,7 @@ from benchmarks.common import (
     subprocess_env,
     write_json,
 )
+from mini_vllm.engine.heap import heap_frozen
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -610,13 +611,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if ns.launch:
                 served = ns.served_model_name or (model_dir.name if ns.model else ns.preset)
                 print(f"starting mini-vllm serve ({served}) ...", flush=True)
-                with launched_server(model_dir, ns, served, Path(tmp) / "server.log") as base:
+                with launched_server(model_dir, ns, served, Path(tmp) / "server.log") as base, \
+                        heap_frozen():  # the client's collector must not time itself
                     report["base_url"] = base
                     asyncio.run(run_benchmark(ns, base, served, workload, rates, report))
             else:
                 report["base_url"] = ns.base_url
                 model = ns.served_model_name or ns.model
-                asyncio.run(run_benchmark(ns, ns.base_url, model, workload, rates, report))
+                with heap_frozen():
+                    asyncio.run(run_benchmark(ns, ns.base_url, model, workload, rates, report))
             report["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - the JSON records why the run ended
             report["status"] = "error"

@@ -28,6 +28,7 @@ import mini_vllm
 from mini_vllm.checkpoint import make_model
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
+from mini_vllm.engine.heap import freeze_heap
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.entrypoints.openai_server import build_app, make_server
 from mini_vllm.sampling_params import SamplingParams
@@ -214,6 +215,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
           flush=True)
     server = make_server(app, ns.host, ns.port, log_level=ns.log_level,
                          access_log=not ns.disable_uvicorn_access_log)
+    freeze_heap()  # this process serves from here on (engine/heap.py)
     # uvicorn re-raises the signal that stopped it once it has shut down
     # cleanly; make SIGTERM end like Ctrl-C (a KeyboardInterrupt, caught below).
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -39,6 +39,7 @@ import torch
 
 from mini_vllm.config import EngineConfig
 from mini_vllm.engine.async_engine import AsyncLLM, _Abort, _Add, _Shutdown
+from mini_vllm.engine.heap import freeze_heap
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -116,6 +117,7 @@ def _serve(engine_cls: type[LLMEngine], engine_config: EngineConfig,
         outputs.send(("failed", _portable(e)))
         return 1
     core = _EngineCore(engine, commands, outputs)
+    freeze_heap()  # this process is the engine from here on (engine/heap.py)
     outputs.send(("ready", engine.get_stats()))
     try:
         AsyncLLM.run_engine_loop(engine, core.next_command, core.apply, core.emit)

@@ -9,6 +9,7 @@ level, so that a spawned engine process can import them by name.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import multiprocessing
 import os
@@ -80,6 +81,13 @@ class _BrokenSchedulerEngine(LLMEngine):
             raise RuntimeError("scheduler bug")
 
         self.scheduler.schedule = broken_schedule
+
+
+class _HeapReportingEngine(LLMEngine):
+    """An engine whose statistics say how many objects the collector has frozen."""
+
+    def get_stats(self) -> dict:
+        return {**super().get_stats(), "gc_frozen_objects": gc.get_freeze_count()}
 
 
 class _VanishingEngine(LLMEngine):
@@ -713,3 +721,57 @@ def test_generate_texts_match_streamed_texts(engine, offline, monkeypatch) -> No
     endings = {(c.finish_reason, type(c.stop_reason).__name__)
                for e in expected for c in e.outputs}
     assert endings >= {("stop", "str"), ("stop", "int"), ("length", "NoneType")}, endings
+
+
+# --8<-- [start:heap_tests]
+@pytest.mark.parametrize("mode", MODES)
+def test_only_the_engine_process_freezes_its_heap(tiny_model_dir, mode):
+    """The engine process exempts its start-up heap from the collector's scans;
+    an engine on a thread of the caller's process leaves the caller's heap alone."""
+    assert gc.get_freeze_count() == 0
+    llm = _async_llm(tiny_model_dir, mode, _HeapReportingEngine)
+    try:
+        frozen = llm.get_stats()["gc_frozen_objects"]
+        if mode == "process":
+            assert frozen > 10_000  # torch, the model, the tokenizer: all of start-up
+        else:
+            assert frozen == 0
+        assert gc.get_freeze_count() == 0
+    finally:
+        llm.shutdown()
+
+
+def test_generate_freezes_the_heap_for_its_batch_only(offline, monkeypatch):
+    """`LLM.generate` steps with the heap frozen and leaves it as it found it:
+    unfrozen after a batch, after a failed one, and frozen if it was."""
+    assert gc.get_freeze_count() == 0
+    seen = []
+    real_step = offline.engine.step
+
+    def step():
+        seen.append(gc.get_freeze_count())
+        return real_step()
+
+    monkeypatch.setattr(offline.engine, "step", step)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    offline.generate(["a", "b"], params, use_tqdm=False)
+    assert seen and min(seen) > 10_000
+    assert gc.get_freeze_count() == 0
+
+    def failing_step():
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(offline.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        offline.generate(["a"], params, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+    assert not offline.engine.has_unfinished_requests()
+
+    monkeypatch.setattr(offline.engine, "step", step)
+    gc.freeze()  # frozen by its owner: left frozen (unfrozen, the count would be 0)
+    try:
+        offline.generate(["a"], params, use_tqdm=False)
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
+# --8<-- [end:heap_tests]
