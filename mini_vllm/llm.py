@@ -18,7 +18,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mini_vllm.config import EngineArgs
-from mini_vllm.engine.heap import heap_frozen
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -92,14 +91,11 @@ class LLM:
 
         ids = []
         try:
-            # What exists now (the engine, the libraries) outlives the batch: the
-            # cyclic collector need not scan it between steps (engine/heap.py).
-            with heap_frozen():
-                for prompt, params, prio in zip(prompts, params_list, priorities):
-                    rid = str(next(self._counter))
-                    self.engine.add_request(rid, prompt, params, priority=prio)
-                    ids.append(rid)
-                return self._run_engine(ids, use_tqdm)
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                rid = str(next(self._counter))
+                self.engine.add_request(rid, prompt, params, priority=prio)
+                ids.append(rid)
+            return self._run_engine(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)  # leave the engine clean for the next call
             raise

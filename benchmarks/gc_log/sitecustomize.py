@@ -9,7 +9,7 @@ pid, the wall time, the generation, the pause, the objects it freed), and at exi
 a summary per generation: (collections, total ms, longest ms). A process that
 leaves through `os._exit`, as the engine process does, writes no summary.
 
-    GC_PAUSE_LOG=/tmp/gc.log PYTHONPATH=benchmarks/gc_log:. \\
+    GC_PAUSE_LOG=gc.log PYTHONPATH=benchmarks/gc_log:. \\
         python benchmarks/serving.py --launch --request-rates inf --num-requests 256
 
 Without `GC_PAUSE_LOG` it does nothing.

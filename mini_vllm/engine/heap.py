@@ -1,22 +1,22 @@
-"""Keeping Python's cyclic garbage collector out of the engine's loop.
+"""Keeping Python's cyclic garbage collector out of the serving processes.
 
 CPython frees most objects by reference counting. Its cyclic collector exists for
 reference cycles, and it works by generations: young objects often, and in a full
 collection every container object it tracks. A process that has imported torch and
-the server's libraries and built an engine tracks millions of objects, so a full
-collection stops everything for 0.1 s or more; a loop that makes a few thousand
-objects a step (a delta per request, an SSE chunk per stream) sets one off every
-second or so. The engine's loop stops for that long, and at a full batch that is
-dozens of steps. None of those old objects is garbage.
+the server's libraries and built an engine tracks hundreds of thousands of objects,
+so a full collection stops it for a tenth of a second or more; a server that makes a
+few thousand objects a step (an output and an SSE chunk per stream) sets one off
+every second or less. The engine's loop, or every stream, stops for that long, and
+at a full batch that is dozens of steps. None of those old objects is garbage.
 
 `gc.freeze()` moves every object tracked at that moment into a permanent generation
 that no collection scans. Objects made later are collected as before, so a cycle
 built while serving is still freed; only what existed at the freeze is exempt.
 
-    process                      what it does
-    engine-core process          freeze_heap() once the engine is built
-    `mini-vllm serve` (front)    freeze_heap() once the app is built
-    `LLM.generate`               heap_frozen() around its batch, then as before
+    process                         what it does
+    engine-core process             freeze_heap() once the engine is built
+    `mini-vllm serve` (the front)   freeze_heap() once the app is built
+    benchmarks/serving.py's client  heap_frozen() while it times the server
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ def freeze_heap() -> None:
 def heap_frozen() -> Iterator[None]:
     """Exempt the objects alive now from the collector's scans while the block runs.
 
-    For a batch run inside a process that may do other things afterwards (free
-    the engine, build another): on the way out the objects go back to the oldest
-    generation, where a cycle among them is freed by the next full collection as
-    it would have been. A heap that is already frozen (`freeze_heap`) is left as
-    it is.
+    For a timed run in a process that goes on afterwards (a benchmark's client,
+    which the tests also call in-process): on the way out the objects go back to
+    the oldest generation, where a cycle among them is freed by the next full
+    collection as it would have been. A heap that is already frozen is left as it
+    is. Process-wide, like the collector itself: an object another thread freezes
+    inside the block is unfrozen with the rest.
     """
     if gc.get_freeze_count():
         yield

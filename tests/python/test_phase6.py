@@ -29,6 +29,7 @@ from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.engine import llm_engine
 from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from mini_vllm.engine.core_process import decode_outputs, encode_outputs
+from mini_vllm.engine.heap import heap_frozen
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from mini_vllm.sampler import SamplerOutput
@@ -723,7 +724,6 @@ def test_generate_texts_match_streamed_texts(engine, offline, monkeypatch) -> No
     assert endings >= {("stop", "str"), ("stop", "int"), ("length", "NoneType")}, endings
 
 
-# --8<-- [start:heap_tests]
 @pytest.mark.parametrize("mode", MODES)
 def test_only_the_engine_process_freezes_its_heap(tiny_model_dir, mode):
     """The engine process exempts its start-up heap from the collector's scans;
@@ -741,37 +741,20 @@ def test_only_the_engine_process_freezes_its_heap(tiny_model_dir, mode):
         llm.shutdown()
 
 
-def test_generate_freezes_the_heap_for_its_batch_only(offline, monkeypatch):
-    """`LLM.generate` steps with the heap frozen and leaves it as it found it:
-    unfrozen after a batch, after a failed one, and frozen if it was."""
+def test_heap_frozen_restores_the_heap_it_found():
+    """`heap_frozen` (the serving benchmark's client) freezes for its block only:
+    unfrozen after it, after an exception in it, and a frozen heap stays frozen."""
     assert gc.get_freeze_count() == 0
-    seen = []
-    real_step = offline.engine.step
-
-    def step():
-        seen.append(gc.get_freeze_count())
-        return real_step()
-
-    monkeypatch.setattr(offline.engine, "step", step)
-    params = SamplingParams(max_tokens=4, temperature=0.0)
-    offline.generate(["a", "b"], params, use_tqdm=False)
-    assert seen and min(seen) > 10_000
+    with heap_frozen():
+        assert gc.get_freeze_count() > 10_000
     assert gc.get_freeze_count() == 0
-
-    def failing_step():
-        raise RuntimeError("step failed")
-
-    monkeypatch.setattr(offline.engine, "step", failing_step)
-    with pytest.raises(RuntimeError, match="step failed"):
-        offline.generate(["a"], params, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="in the block"), heap_frozen():
+        raise RuntimeError("in the block")
     assert gc.get_freeze_count() == 0
-    assert not offline.engine.has_unfinished_requests()
-
-    monkeypatch.setattr(offline.engine, "step", step)
     gc.freeze()  # frozen by its owner: left frozen (unfrozen, the count would be 0)
     try:
-        offline.generate(["a"], params, use_tqdm=False)
+        with heap_frozen():
+            pass
         assert gc.get_freeze_count() > 10_000
     finally:
         gc.unfreeze()
-# --8<-- [end:heap_tests]

@@ -3,6 +3,7 @@ benchmark scripts on the tiny model, and the serving client's metrics."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -373,6 +374,7 @@ def test_serving_launch_smoke(serving: ModuleType, tiny_model_dir: Path,
         "--request-rates", "inf", "--launch-timeout", "120", "--output", str(out),
         "--stream" if stream else "--no-stream"])
     assert report["status"] == "ok", report.get("error")
+    assert gc.get_freeze_count() == 0  # the client froze its heap only while it timed
     data = json.loads(out.read_text())
     run = data["runs"][0]
     assert run["request_rate"] == "inf" and run["stream"] is stream
