@@ -443,22 +443,25 @@ async def run_benchmark(ns: argparse.Namespace, base_url: str, model: str | None
                         workload: Workload, rates: list[float], report: dict[str, Any]
                         ) -> None:
     """A warm-up request, then one run per rate, each appended to `report["runs"]` as it
-    ends (a later failure keeps the earlier runs)."""
+    ends (a later failure keeps the earlier runs). The client's heap is frozen meanwhile
+    (mini_vllm/engine/heap.py): its own collector's pauses must not be timed as the
+    server's."""
     url = base_url.rstrip("/") + ns.endpoint
-    async with _StreamClient(ns.request_timeout, ns.max_concurrency) as client:
-        report["client"] = client.library
-        if model is None:
-            listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
-            model = listing["data"][0]["id"]
-        report["model"] = model
-        warm = await send_request(client, url, model, workload.prompts[0][:32], 4, ns.stream)
-        if not warm.success:
-            raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        runs = report.setdefault("runs", [])
-        for rate in rates:
-            print(f"request rate {rate}: {workload.num_requests} requests ...", flush=True)
-            runs.append(await run_at_rate(client, url, model, workload, rate, ns.seed,
-                                          ns.max_concurrency, ns.stream))
+    with heap_frozen():
+        async with _StreamClient(ns.request_timeout, ns.max_concurrency) as client:
+            report["client"] = client.library
+            if model is None:
+                listing = await client.get_json(base_url.rstrip("/") + "/v1/models")
+                model = listing["data"][0]["id"]
+            report["model"] = model
+            warm = await send_request(client, url, model, workload.prompts[0][:32], 4, ns.stream)
+            if not warm.success:
+                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+            runs = report.setdefault("runs", [])
+            for rate in rates:
+                print(f"request rate {rate}: {workload.num_requests} requests ...", flush=True)
+                runs.append(await run_at_rate(client, url, model, workload, rate, ns.seed,
+                                              ns.max_concurrency, ns.stream))
 
 
 def free_port() -> int:
@@ -611,15 +614,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if ns.launch:
                 served = ns.served_model_name or (model_dir.name if ns.model else ns.preset)
                 print(f"starting mini-vllm serve ({served}) ...", flush=True)
-                with launched_server(model_dir, ns, served, Path(tmp) / "server.log") as base, \
-                        heap_frozen():  # the client's collector must not time itself
+                with launched_server(model_dir, ns, served, Path(tmp) / "server.log") as base:
                     report["base_url"] = base
                     asyncio.run(run_benchmark(ns, base, served, workload, rates, report))
             else:
                 report["base_url"] = ns.base_url
                 model = ns.served_model_name or ns.model
-                with heap_frozen():
-                    asyncio.run(run_benchmark(ns, ns.base_url, model, workload, rates, report))
+                asyncio.run(run_benchmark(ns, ns.base_url, model, workload, rates, report))
             report["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - the JSON records why the run ended
             report["status"] = "error"
