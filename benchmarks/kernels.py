@@ -812,7 +812,7 @@ def bench_fused(copy_bw: float, device: torch.device,
     as the model calls it, and q/k-norm + RoPE at one, two and four heads a warp
     (`qk_norm_rope_h1`, `_h2`, `_h4`).
     """
-    from mini_vllm.models.qwen3 import RotaryEmbedding
+    from mini_vllm.layers import RotaryEmbedding
     from mini_vllm.ops import layer_ops
 
     hq, hkv, d = FUSED_SHAPE["num_q_heads"], FUSED_SHAPE["num_kv_heads"], FUSED_SHAPE["head_dim"]

@@ -25,7 +25,7 @@ at the end, side by side (`profile_postprocess`); it needs no GPU:
     python benchmarks/step_profile.py --postprocess --preset tiny --context 16 --steps 100
 
 With `--host-layout`, only the runner's host arithmetic of a decode step
-(`ModelRunner._host_layout`), its block tables as the KV manager hands them out
+(`GPUModelRunner._host_layout`), its block tables as the KV manager hands them out
 (int32 arrays) and as Python lists, side by side (`profile_host_layout`); on the CPU:
 
     python benchmarks/step_profile.py --host-layout --preset tiny --batch 256 --context 1024
@@ -69,11 +69,12 @@ from benchmarks.common import (
 from mini_vllm import ops
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.gpu.model_runner import GPUModelRunner
+from mini_vllm.gpu.sampler import FusedSampler
 from mini_vllm.kv_cache import KVCacheManager
-from mini_vllm.model_runner import BatchEntry, ModelRunner
-from mini_vllm.models import qwen3
+from mini_vllm.layers import linear as linear_layers
+from mini_vllm.model_runner import BatchEntry
 from mini_vllm.ops._extension import extension
-from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.sequence import Request
 
@@ -144,7 +145,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     """The runner-level view (see the module docstring)."""
     steps, batch, context, bs = ns.steps, ns.batch, ns.context, ns.block_size
     blocks_per_seq = -(-(context + steps + 1) // bs)
-    runner = ModelRunner(EngineArgs(
+    runner = GPUModelRunner(EngineArgs(
         model=str(model_dir), device="cuda", dtype="bfloat16", load_format=load_format,
         block_size=bs, max_num_seqs=batch, max_model_len=ns.max_model_len,
         num_gpu_blocks_override=batch * blocks_per_seq + 1,
@@ -160,11 +161,11 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
 
     params = SamplingParams(temperature=0.6, top_p=1.0, top_k=0, ignore_eos=True)
     rows = [(params, None, [], [])] * batch
-    sampler = Sampler()
+    sampler = FusedSampler()
     result: dict[str, Any] = {"batch": batch, "context": context, "block_size": bs,
                               "attention": runner.attn_backend.describe()}
     for _ in range(3):  # warm-up
-        sampler(runner.execute(entries(0), float_logits=False), SamplingMetadata.build(
+        sampler(runner.execute(entries(0), float_logits=False), sampler.build_metadata(
             rows, runner.device, runner.vocab_size)).sampled_token_ids.tolist()
 
     # The whole step, phase by phase, host clock (the GPU wait is the .tolist()).
@@ -176,7 +177,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
         t0 = time.perf_counter()
         logits = runner.execute(batch_entries, float_logits=False)  # as the engine asks
         t1 = time.perf_counter()
-        meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+        meta = sampler.build_metadata(rows, runner.device, runner.vocab_size)
         t2 = time.perf_counter()
         out = sampler(logits, meta)
         t3 = time.perf_counter()
@@ -216,7 +217,7 @@ def profile_runner(model_dir: Path, load_format: str, ns: argparse.Namespace,
     result["eager_forward_ms"] = _event_ms(
         lambda: runner.execute_fast(entries(0), use_graph=False), steps)
     logits = runner.execute(entries(0), float_logits=False)
-    meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+    meta = sampler.build_metadata(rows, runner.device, runner.vocab_size)
     result["sampler_gpu_ms"] = _event_ms(lambda: sampler(logits, meta), steps, queued=True)
     # Its floor: one read of the logits. Its peer: the torch pipeline on the
     # same rows (what runs when the kernels are not built), float32 logits.
@@ -267,7 +268,7 @@ def rms_norm_variants(batch: int, hidden: int, heads: int, head_dim: int) -> dic
     count: this is the kernels' own time, what a decode graph pays per norm
     (a step of Qwen3-0.6B has 4 x 28 + 1 of them).
     """
-    from mini_vllm.models.qwen3 import RMSNorm
+    from mini_vllm.layers import RMSNorm
 
     results = {}
     for name, shape, dim in (("hidden", (batch, hidden), hidden),
@@ -442,14 +443,14 @@ def profile_host_layout(model_dir: Path, load_format: str, ns: argparse.Namespac
     """The runner's host layout of a decode step, block tables as arrays and as lists.
 
     `--batch` sequences of `--context` tokens get their blocks from a
-    `KVCacheManager`, and `ModelRunner._host_layout` builds the step's ids,
+    `KVCacheManager`, and `GPUModelRunner._host_layout` builds the step's ids,
     positions, slots and block tables from them `--steps` times each way: with
     the int32 arrays `allocate_slots` returns, which it joins whole, and with
     the same tables as Python lists, which it reads an int at a time. Both
     layouts must be equal. Host arithmetic only: it runs on the CPU.
     """
     blocks_per_seq = -(-(ns.context + 1) // ns.block_size)
-    runner = ModelRunner(EngineArgs(
+    runner = GPUModelRunner(EngineArgs(
         model=str(model_dir), device="cpu", load_format=load_format, block_size=ns.block_size,
         max_num_seqs=ns.batch, max_model_len=ns.max_model_len,
         num_gpu_blocks_override=ns.batch * blocks_per_seq + 1,
@@ -492,12 +493,12 @@ def without_programmatic_launch() -> Iterator[None]:
 @contextlib.contextmanager
 def without_wgmma_gemm() -> Iterator[None]:
     """Let the model send no product to `gemm_wgmma` (cuBLAS takes them) inside the block."""
-    saved = qwen3.gemm_wgmma_pays
-    qwen3.gemm_wgmma_pays = lambda x, weight: False
+    saved = linear_layers.gemm_wgmma_pays
+    linear_layers.gemm_wgmma_pays = lambda x, weight: False
     try:
         yield
     finally:
-        qwen3.gemm_wgmma_pays = saved
+        linear_layers.gemm_wgmma_pays = saved
 
 
 def main(argv: list[str] | None = None) -> None:

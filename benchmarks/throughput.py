@@ -188,7 +188,7 @@ def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) ->
               "block_size": llm.engine.config.cache_config.block_size,
               "max_piecewise_graph_tokens": llm.engine.config.max_piecewise_graph_tokens,
               "kv_cache_blocks": llm.engine.model_runner.num_blocks,
-              "graph_memory_bytes": llm.engine.model_runner.graph_memory_bytes,
+              "graph_memory_bytes": getattr(llm.engine.model_runner, "graph_memory_bytes", 0),
               "device": str(llm.engine.config.device)}
     if ns.breakdown and llm.engine.config.device.type == "cuda":
         result["breakdown"] = breakdown(llm, lambda: llm.generate(prompts, sampling,

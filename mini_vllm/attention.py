@@ -8,9 +8,9 @@ decodes are the same operation with different query lengths, so they share
 one batch.
 
 The functions here are the reference: simple torch, one sequence at a time.
-`Attention` is the layer the model calls; it goes through an
-`AttentionBackend`, so a GPU backend (custom kernels for decode) can replace
-either half without touching the model.
+The model's attention layer (`mini_vllm.layers.attention.Attention`) goes
+through an `AttentionBackend`, so a GPU backend (custom kernels for decode)
+can replace either half without touching the model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -241,57 +240,10 @@ class TorchAttentionBackend:
         return paged_attention(q, k_cache, v_cache, meta, scale)
 
 
-class Attention(nn.Module):
-    """The attention layer of one decoder layer: store the new K/V, then attend.
-
-    It owns no weights; the projections, norms and RoPE stay in the model.
-
-    Args:
-        num_heads: query heads.
-        num_kv_heads: key/value heads (a divisor of `num_heads`).
-        head_dim: size of one head.
-        scale: softmax scale.
-        backend: how to write and read the cache; the torch reference by default.
-    """
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        backend: AttentionBackend | None = None,
-    ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.backend: AttentionBackend = backend or TorchAttentionBackend()
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        kv_written: bool = False,
-    ) -> torch.Tensor:
-        """Attend the new tokens `q [T, Hq, D]` (with `k`, `v` `[T, Hkv, D]`) -> `[T, Hq, D]`.
-
-        `kv_written`: the caller already stored `k` and `v` in their slots (the
-        CUDA q/k-norm + RoPE kernel can do it in the same launch), so the write is skipped.
-        """
-        k_cache, v_cache = kv_cache
-        if not kv_written:
-            self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
 # --8<-- [end:backend]
 
 
 __all__ = [
-    "Attention",
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",

@@ -12,10 +12,9 @@ step; `Sampler` then runs the whole batch through one fixed pipeline:
       -> min_p, top_k, top_p  filtered tokens at -inf (random rows only)
       -> sample              greedy rows: argmax; random rows: argmax(probs / Exp(1) noise)
 
-On a GPU with the kernels built, and no row filtering with top-k, top-p or
-min-p, the temperature and the sampling run as one kernel instead
-(`ops.sample_tokens`: Gumbel-max, the same distribution in log space), on
-the logits in the model's dtype when no other stage needs them in float32.
+This is the reference sampler. On a GPU the engine uses
+`mini_vllm.gpu.FusedSampler`, which extends it: the temperature and the
+draw run as one kernel (chapter 9).
 
 A stage no row needs is skipped entirely. Everything is vectorised over rows
 except drawing the noise of seeded rows, which comes from each request's own
@@ -34,8 +33,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mini_vllm import ops
-from mini_vllm.ops.sampling import kernel_fits, splitmix64
 from mini_vllm.sampling_params import GREEDY_EPSILON, OPENAI_DEFAULTS, SamplingParams
 
 
@@ -49,10 +46,9 @@ class SamplingRequest(NamedTuple):
             life), else `None` (the row uses the shared default generator).
         prompt_token_ids: the prompt (for the repetition penalty).
         output_token_ids: the tokens generated so far (penalties, min_tokens).
-        noise_key: the key of an unseeded request's noise in the fused GPU
-            sampler (see `SamplingMetadata.noise_seeds`), drawn once for the
-            request's life; a seeded request's key comes from its generator's
-            seed. `None` on an unseeded row draws a fresh key at every step.
+        noise_key: a random key drawn once for the request's life, from which
+            the fused GPU sampler draws an unseeded request's noise (chapter 9);
+            `None` draws a fresh key at every step.
     """
 
     params: SamplingParams
@@ -79,30 +75,16 @@ def _to_device(
     return tensor.to(device)
 
 
-# --8<-- [start:noise_seeds]
-def _noise_seeds(reqs: Sequence[SamplingRequest]) -> np.ndarray:
-    """Each row's (Philox key, counter) for the fused sampler: `[N, 2]` int64.
+def _value(p: SamplingParams, name: str) -> float:
+    """A sampling field's value, its OpenAI default when unset."""
+    v = getattr(p, name)
+    return OPENAI_DEFAULTS[name] if v is None else v
 
-    A request's key is fixed for its life (its generator's seed, mixed, when
-    it has one; else `noise_key`) and the counter is the index of the token
-    being drawn, so the noise of its t-th token is the same whatever batch it
-    runs in, and again after a preemption. A row without a key takes a fresh one for this step (from
-    torch's default generator, so `torch.manual_seed` reproduces it) with the
-    row index as its counter.
-    """
-    seeds = np.empty((len(reqs), 2), dtype=np.int64)
-    step_key = None
-    for i, r in enumerate(reqs):
-        if r.generator is not None:  # a seeded request: the key follows from its seed
-            seeds[i] = (splitmix64(r.generator.initial_seed()), len(r.output_token_ids))
-        elif r.noise_key is not None:
-            seeds[i] = (r.noise_key, len(r.output_token_ids))
-        else:
-            if step_key is None:
-                step_key = int(torch.randint(-(2**63), 2**63 - 1, ()))
-            seeds[i] = (step_key, i)
-    return seeds
-# --8<-- [end:noise_seeds]
+
+def row_temperatures(reqs: Sequence[SamplingRequest]) -> tuple[list[float], list[bool]]:
+    """Each row's temperature and whether it is greedy (temperature ~ 0)."""
+    temps = [_value(r.params, "temperature") for r in reqs]
+    return temps, [t < GREEDY_EPSILON for t in temps]
 
 
 # --8<-- [start:counts]
@@ -154,12 +136,6 @@ class SamplingMetadata:
             their min_tokens: their EOS (unless ignore_eos) and stop token ids.
         generators: row -> generator, for random rows with their own generator.
         max_num_logprobs: the largest `logprobs` asked for; `None` if no row asks.
-        inv_temperature / noise_seeds: set when the fused GPU sampler
-            (`ops.sample_tokens`) will draw this step's tokens: `[N]` float32
-            1 / T (0 on greedy rows) and `[N, 2]` int64 (key, counter) of each
-            row's Philox noise, the counter being the row's number of output
-            tokens so far; `None` otherwise (no kernels, or a row filters with
-            top-k, top-p or min-p).
     """
 
     vocab_size: int
@@ -179,9 +155,6 @@ class SamplingMetadata:
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None
-    inv_temperature: torch.Tensor | None = None
-    noise_seeds: torch.Tensor | None = None
-    keyed: bool = False  # every row has its own noise key (none is drawn per step)
 
     @classmethod
     def build(
@@ -208,17 +181,12 @@ class SamplingMetadata:
         reqs = [SamplingRequest(*r) for r in requests]
         eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
 
-        def value(p: SamplingParams, name: str) -> float:
-            v = getattr(p, name)
-            return OPENAI_DEFAULTS[name] if v is None else v
-
-        temps = [value(r.params, "temperature") for r in reqs]
-        greedy = [t < GREEDY_EPSILON for t in temps]
-        top_ks = [int(value(r.params, "top_k")) for r in reqs]
+        temps, greedy = row_temperatures(reqs)
+        top_ks = [int(_value(r.params, "top_k")) for r in reqs]
         top_ks = [k if 0 < k < vocab_size else vocab_size for k in top_ks]  # off -> V
-        top_ps = [value(r.params, "top_p") for r in reqs]
-        min_ps = [value(r.params, "min_p") for r in reqs]
-        reps = [value(r.params, "repetition_penalty") for r in reqs]
+        top_ps = [_value(r.params, "top_p") for r in reqs]
+        min_ps = [_value(r.params, "min_p") for r in reqs]
+        reps = [_value(r.params, "repetition_penalty") for r in reqs]
         freqs = [r.params.frequency_penalty for r in reqs]
         press = [r.params.presence_penalty for r in reqs]
         # Filters only matter on random rows; a greedy row's value is neutralised.
@@ -278,36 +246,15 @@ class SamplingMetadata:
         }
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
-        if (device.type == "cuda" and not (use_top_k or use_top_p or use_min_p)
-                and ops.is_available() and kernel_fits(vocab_size)):
-            meta.inv_temperature = _to_device(
-                [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
-            meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)
-            meta.keyed = all(r.noise_key is not None or r.generator is not None for r in reqs)
         return meta
 
-    # --8<-- [start:next_step]
     def next_step(self) -> SamplingMetadata | None:
         """This metadata for the next step of the same rows, or None: build it anew.
 
-        Rebuilding costs Python work per row every step (about 0.7 ms at 256
-        rows on an H200's host) for values that mostly do not change: a
-        request's temperature is fixed, and in the fused sampler only each
-        row's noise counter moves, by one per token. So when nothing else
-        depends on the tokens drawn (no penalties, no min_tokens mask) and
-        every row has its own noise key, the next step's metadata is this one
-        with the counters advanced on the device: one small kernel, queued
-        after the kernel that read them.
-
-        The caller guarantees the precondition: the same requests in the same
-        rows, each of which drew exactly one token with this metadata.
+        The reference rebuilds every step; the fused GPU sampler's metadata can
+        move itself forward (chapter 9).
         """
-        if (self.noise_seeds is None or not self.keyed or self.min_tokens_index is not None
-                or self.repetition_penalties is not None or self.output_token_counts is not None):
-            return None
-        self.noise_seeds.select(1, 1).add_(1)  # in place, without a trip through __setitem__
-        return self
-    # --8<-- [end:next_step]
+        return None
 
 
 @dataclass
@@ -346,43 +293,48 @@ class Sampler:
         """Choose the next token of every row.
 
         Args:
-            logits: [N, V] float32, one row per request that samples this step.
-                It is not modified.
-            metadata: the rows' parameters, from `SamplingMetadata.build`.
+            logits: [N, V], one row per request that samples this step. It is
+                not modified.
+            metadata: the rows' parameters, from `build_metadata`.
 
         Returns:
             `SamplerOutput` with the sampled ids and, when a row asked for
             them, the logprobs.
         """
+        self.check_logits(logits, metadata)
+        logits = self.process_logits(logits.float(), metadata)
+        if not metadata.all_greedy:
+            logits = logits / metadata.temperature.unsqueeze(1)  # greedy rows: / 1
+        sampled = self.sample(logits, metadata)
+        if metadata.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        return self.gather_logprobs(logits, sampled, metadata.max_num_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The stages before the temperature: the min_tokens mask, then the penalties."""
+        if metadata.min_tokens_index is not None:
+            minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
+            logits = logits.index_put(metadata.min_tokens_index, minus_inf)
+        return self.apply_penalties(logits, metadata)
+    # --8<-- [end:forward]
+
+    @staticmethod
+    def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         if logits.dim() != 2 or logits.shape[1] != metadata.vocab_size:
             raise ValueError(
                 f"logits must be [N, {metadata.vocab_size}], got {list(logits.shape)}"
             )
-        fused = metadata.noise_seeds is not None and logits.is_cuda
-        plain = (metadata.min_tokens_index is None and metadata.max_num_logprobs is None
-                 and metadata.repetition_penalties is None
-                 and metadata.output_token_counts is None)
-        if fused and plain:  # the common case: one kernel reads the logits as they are
-            return SamplerOutput(ops.sample_tokens(
-                logits, metadata.inv_temperature, metadata.noise_seeds))
 
-        logits = logits.float()
-        if metadata.min_tokens_index is not None:
-            minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
-            logits = logits.index_put(metadata.min_tokens_index, minus_inf)
-        logits = self.apply_penalties(logits, metadata)
-        if fused:  # the kernel applies the temperature itself
-            sampled = ops.sample_tokens(logits, metadata.inv_temperature, metadata.noise_seeds)
-            if metadata.max_num_logprobs is None:
-                return SamplerOutput(sampled_token_ids=sampled)
-        if not metadata.all_greedy:
-            logits = logits / metadata.temperature.unsqueeze(1)  # greedy rows: / 1
-        if not fused:
-            sampled = self.sample(logits, metadata)
-        if metadata.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=sampled)
-        return self.gather_logprobs(logits, sampled, metadata.max_num_logprobs)
-    # --8<-- [end:forward]
+    def build_metadata(
+        self,
+        requests: Sequence[SamplingRequest | tuple],
+        device: torch.device | str,
+        vocab_size: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> SamplingMetadata:
+        """The step's metadata for this sampler (see `SamplingMetadata.build`)."""
+        return SamplingMetadata.build(requests, device, vocab_size, eos_token_ids)
+
 
     # --8<-- [start:penalties]
     @staticmethod

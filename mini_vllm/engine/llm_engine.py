@@ -4,15 +4,16 @@ One call of `step()` is one iteration of continuous batching:
 
 ```
 Scheduler.schedule()          which requests run, how many new tokens each (phase 4)
-  └─► ModelRunner.execute()   one flat batch through Qwen3 over the paged cache (phases 2-3)
+  └─► ModelRunner.execute()   one flat batch through the model over the paged cache (2-3)
         └─► Sampler()         one token per request that finished its prompt (phase 5)
-              └─► _HostCopy   sampled ids to pinned memory; waiting for it is
-                    │         the step's one host synchronisation
+              └─► to the host the sampled ids; reading them is the step's one
+                    │         host synchronisation
                     └─► detokenize + stop checks ─► RequestOutput deltas (phases 1, 5)
 ```
 
-With async scheduling (on by default on a GPU) the next step is launched
-before this one is read back, so the host's work overlaps the device's.
+With async scheduling (on by default on a GPU: `engine/async_scheduling.py`,
+chapter 9) the next step is launched before this one is read back, so the
+host's work overlaps the device's.
 
 A request with `n > 1` becomes `n` child requests (`"<id>#<i>"`) that share
 the prompt's cached blocks; their outputs are gathered back under the
@@ -21,19 +22,19 @@ parent's id.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.engine.async_scheduling import AsyncScheduling
+from mini_vllm.engine.input_processor import InputProcessor, ProcessedRequest
 from mini_vllm.kv_cache import KVCacheManager
-from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, make_generator
+from mini_vllm.sampler import Sampler, SamplingMetadata, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
@@ -47,18 +48,6 @@ _STATUS_OF_REASON = {
     "length": RequestStatus.FINISHED_LENGTH,
     "abort": RequestStatus.FINISHED_ABORTED,
 }
-
-
-@dataclass
-class ProcessedRequest:
-    """A validated request, ready for the engine thread (built off-thread)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
 
 
 # --8<-- [start:state]
@@ -110,18 +99,7 @@ class _Group:
 # --8<-- [end:state]
 
 
-def load_generation_config(model_dir: str | Path) -> dict:
-    """The checkpoint's `generation_config.json`, or `{}` when it has none."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
-class LLMEngine:
+class LLMEngine(AsyncScheduling):
     """Scheduler + model runner + sampler + detokenizer, one `step()` at a time.
 
     Not thread-safe: one thread drives it (`LLM` directly, `AsyncLLM` from its
@@ -137,7 +115,7 @@ class LLMEngine:
         self.tokenizer = self.input_processor.tokenizer
         self.generation_config = self.input_processor.generation_config
         self.eos_token_ids = list(self.tokenizer.eos_token_ids)
-        self.model_runner = ModelRunner(engine_config)
+        self.model_runner = make_model_runner(engine_config)
         self.vocab_size = engine_config.model_config.vocab_size
         self.max_model_len = engine_config.scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -147,7 +125,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_manager)
-        self.sampler = Sampler()
+        self.sampler = make_sampler(engine_config.device)
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, tuple[_Group, _Completion]] = {}
         self.async_scheduling = engine_config.async_scheduling
@@ -251,69 +229,35 @@ class LLMEngine:
 
     # --8<-- [start:step]
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; return a delta for each request that progressed.
-
-        NOTE: with async scheduling, step N+1 is planned and launched before
-        the tokens of step N are read back, so the host's work (scheduling,
-        building inputs, detokenizing) overlaps the device's:
-
-        ```
-        host:   schedule N+1 | launch N+1 | read N, detok N, stop N | schedule N+2 | ...
-        device: ...  forward N, sample N  | forward N+1, sample N+1 | ...
-        ```
-
-        Requests sampled in step N carry a placeholder token until it is read
-        back; step N+1 takes its value on the device. A request that step N
-        finished with a stop token or string was already launched in step
-        N+1: that one token is wasted and dropped. One whose placeholder is
-        its `max_tokens`-th token is not launched again: the count alone says
-        it is done. Without async scheduling, each step is read back at once.
-        """
-        outputs: list[RequestOutput] = []
-        prev, self._in_flight = self._in_flight, None
-        if prev is not None and prev.needs_values:
-            # Penalties need the previous tokens' values on the host: no overlap.
-            outputs += self._process(prev)
-            prev = None
+        """Run one engine iteration; return a delta for each request that progressed."""
+        if self.async_scheduling:  # plan the next step before reading this one (chapter 9)
+            return self.step_async()
         sched = self.scheduler.schedule()
-        cur = self._launch(sched, prev) if sched.scheduled else None
-        if cur is None:
+        if not sched.scheduled:
             self._last_sampling = None  # no token drawn: the next rows start afresh
-        if isinstance(cur, list):  # the step failed
-            outputs += cur
-            cur = None
-        if prev is not None:
-            outputs += self._process(prev)
-        if cur is not None:
-            if self.async_scheduling:
-                self._in_flight = cur
-            else:
-                outputs += self._process(cur)
-        return outputs
+            return []
+        launched = self._launch(sched)
+        if isinstance(launched, list):  # the step failed
+            return launched
+        return self._process(launched)
     # --8<-- [end:step]
 
     # --8<-- [start:launch]
-    def _launch(self, sched: SchedulerOutput, prev: _Step | None) -> _Step | list[RequestOutput]:
-        """Run the model and the sampler for a scheduled step without waiting for them."""
-        entries = []
-        for s in sched.scheduled:
-            req = s.request
-            # The last token may be step `prev`'s sample, still on the device.
-            from_prev = (req.num_unresolved_tokens > 0
-                         and s.start_pos + s.num_new_tokens == req.num_tokens)
-            entries.append(BatchEntry(
-                token_ids=s.token_ids, start_pos=s.start_pos, block_table=s.block_table,
-                sample=s.sample, prev_sample_row=prev.row_of[req.request_id] if from_prev else -1,
-            ))
+    def _launch(self, sched: SchedulerOutput,
+                prev: _Step | None = None) -> _Step | list[RequestOutput]:
+        """Run the model and the sampler for a scheduled step without waiting for them.
+
+        `prev`: the step launched before and not read back yet (async scheduling).
+        """
+        entries = self._batch_entries(sched, prev)
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
             logits = self.model_runner.execute(  # [len(sampling), V]
                 entries, prev.sampled if prev is not None else None, float_logits=False)
-            start = self.model_runner.step_start  # where the step's GPU work begins
-            stream = self.model_runner.step_stream  # the step's stream (None on the CPU)
+            decode_only = sched.num_prefill_tokens == 0
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 self._last_sampling = None
-                return _Step([], _HostCopy(None, start, stream=stream), {}, None, False)
+                return _Step([], self.model_runner.to_host([]), {}, None, False, decode_only)
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except Exception as e:  # fail these requests, keep the engine alive
@@ -321,15 +265,32 @@ class LLMEngine:
             self._last_sampling = None
             return self._fail([s.request.request_id for s in sched.scheduled], repr(e))
         rows = [(g, c, c.request.append_placeholder_token()) for g, c in sampling]
+        tensors = [sampled.sampled_token_ids]
+        if sampled.logprobs is not None:
+            tensors += [sampled.logprobs_token_ids, sampled.logprobs, sampled.ranks]
         return _Step(
             rows=rows,
-            host=_HostCopy(sampled, start, decode_only=sched.num_prefill_tokens == 0,
-                           stream=stream),
+            host=self.model_runner.to_host(tensors),  # the copies start; nothing waits
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
             needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
+            decode_only=decode_only,
         )
     # --8<-- [end:launch]
+
+    def _batch_entries(self, sched: SchedulerOutput, prev: _Step | None) -> list[BatchEntry]:
+        """The runner's entries for a scheduled step."""
+        entries = []
+        for s in sched.scheduled:
+            req = s.request
+            # The last token may be step `prev`'s sample, still on the device.
+            from_prev = (prev is not None and req.num_unresolved_tokens > 0
+                         and s.start_pos + s.num_new_tokens == req.num_tokens)
+            entries.append(BatchEntry(
+                token_ids=s.token_ids, start_pos=s.start_pos, block_table=s.block_table,
+                sample=s.sample, prev_sample_row=prev.row_of[req.request_id] if from_prev else -1,
+            ))
+        return entries
 
     # --8<-- [start:sampling_metadata]
     def _sampling_metadata(self, sampling: list[tuple[_Group, _Completion]],
@@ -343,7 +304,7 @@ class LLMEngine:
                 and all(a is b for a, b in zip(last[0], rows)))
         metadata = last[1].next_step() if same else None
         if metadata is None:
-            metadata = SamplingMetadata.build(
+            metadata = self.sampler.build_metadata(
                 [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
                   c.request.output_token_ids, c.noise_key) for _, c in sampling],
                 device=device, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
@@ -355,20 +316,20 @@ class LLMEngine:
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:
         """Read a launched step's tokens back (the host sync) and record them."""
-        if step.host is None:
-            return []
         t0 = time.perf_counter()
-        token_ids, logprobs = step.host.wait()
+        tensors = step.host.wait()  # the step's one host sync
         now = time.monotonic()
         self.stats["gpu_wait_s"] += time.perf_counter() - t0
         self.stats["num_steps"] += 1
-        if step.host.start is not None:
-            busy = step.host.start.elapsed_time(step.host.event) / 1e3
+        busy = step.host.gpu_seconds()  # on a GPU: the step's time on it
+        if busy is not None:
             self.stats["gpu_busy_s"] += busy
-            if step.host.decode_only:
+            if step.decode_only:
                 self.stats["gpu_busy_decode_s"] += busy
         if not step.rows:
             return []
+        token_ids = tensors[0].tolist()
+        logprobs = _LogprobRows(*tensors[1:]) if len(tensors) > 1 else None
         touched: dict[str, _Group] = {}
         skipped = 0
         for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
@@ -506,77 +467,6 @@ class LLMEngine:
         return stats
 
 
-class InputProcessor:
-    """Turns a prompt and its sampling parameters into a validated `ProcessedRequest`.
-
-    It needs the tokenizer and the configuration, not the model, so `AsyncLLM`
-    can validate requests in the server's process while the engine runs in
-    another one.
-
-    Args:
-        engine_config: the resolved configuration.
-    """
-
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path)
-        self.generation_config = load_generation_config(engine_config.model)
-        self.vocab_size = engine_config.model_config.vocab_size
-        self.max_model_len = engine_config.scheduler_config.max_model_len
-
-    # --8<-- [start:process_inputs]
-    def process_inputs(
-        self,
-        request_id: str,
-        prompt: str | list[int] | dict,
-        params: SamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> ProcessedRequest:
-        """Tokenize and validate a request (thread-safe: touches no engine state).
-
-        Raises:
-            ValueError: with a message naming what is wrong (empty prompt,
-                token id outside the vocabulary, prompt or prompt + max_tokens
-                longer than max_model_len, bad sampling value).
-        """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
-            prompt = list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            text = None
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if not token_ids:
-            raise ValueError("prompt: the prompt is empty")
-        n_prompt = len(token_ids)
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {n_prompt} tokens do not fit the model's context length "
-                f"({self.max_model_len}), which must also hold at least one output token"
-            )
-        params = params.with_defaults(self.generation_config)
-        room = self.max_model_len - n_prompt
-        if params.max_tokens is None:
-            params = params.replace(max_tokens=room)
-        elif params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens: {n_prompt} prompt tokens + max_tokens {params.max_tokens} = "
-                f"{n_prompt + params.max_tokens} is more than the model's context length "
-                f"({self.max_model_len})"
-            )
-        return ProcessedRequest(request_id, text, token_ids, params, priority,
-                                time.monotonic() if arrival_time is None else arrival_time)
-    # --8<-- [end:process_inputs]
-
-
 def _uses_penalties(p: SamplingParams) -> bool:
     return (p.presence_penalty != 0 or p.frequency_penalty != 0
             or (p.repetition_penalty is not None and p.repetition_penalty != 1))
@@ -597,44 +487,6 @@ class _LogprobRows:
         return entry
 
 
-# --8<-- [start:host_copy]
-class _HostCopy:
-    """A sampler output on its way to the host.
-
-    On a GPU the copy into pinned memory is queued behind the sampler and an
-    event marks its end, so the host can go on (and launch the next step)
-    until `wait()`; on the CPU there is nothing to wait for. With `start`, the
-    event recorded before the step's first kernel, the two events time the
-    step on the GPU.
-    """
-
-    def __init__(self, out: SamplerOutput | None, start: torch.cuda.Event | None = None,
-                 decode_only: bool = False, stream: torch.cuda.Stream | None = None) -> None:
-        """`out` None: a step that sampled nothing, timed only. `stream`: the step's
-        stream, if known (else the current one)."""
-        self.start, self.decode_only = start, decode_only
-        tensors = []
-        if out is not None:
-            tensors.append(out.sampled_token_ids)
-            if out.logprobs is not None:
-                tensors += [out.logprobs_token_ids, out.logprobs, out.ranks]
-        if start is not None or (out is not None and out.sampled_token_ids.is_cuda):
-            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, dev in zip(self.tensors, tensors):
-                host.copy_(dev, non_blocking=True)
-            self.event: torch.cuda.Event | None = torch.cuda.Event(
-                enable_timing=start is not None)
-            self.event.record(stream)
-        else:
-            self.tensors, self.event, self.start = tensors, None, None
-
-    def wait(self) -> tuple[list[int], _LogprobRows | None]:
-        if self.event is not None:
-            self.event.synchronize()  # the step's one host sync
-        token_ids = self.tensors[0].tolist() if self.tensors else []
-        logprobs = _LogprobRows(*self.tensors[1:]) if len(self.tensors) > 1 else None
-        return token_ids, logprobs
-# --8<-- [end:host_copy]
 
 
 # --8<-- [start:launched_step]
@@ -643,11 +495,31 @@ class _Step:
     """A launched step: who sampled (and where their placeholder is), and the results."""
 
     rows: list[tuple[_Group, _Completion, int]]  # (group, completion, output index)
-    host: _HostCopy | None
+    host: HostCopy  # the sampled ids (and logprobs) on their way to the host
     row_of: dict[str, int]  # child request id -> row of `sampled`
     sampled: torch.Tensor | None  # [rows] on the device, read by the next step
     needs_values: bool  # a row uses penalties: read it back before the next schedule
+    decode_only: bool = False  # every sequence decoded one token (statistics)
 # --8<-- [end:launched_step]
 
 
-__all__ = ["InputProcessor", "LLMEngine", "ProcessedRequest", "load_generation_config"]
+def make_model_runner(engine_config: EngineConfig) -> ModelRunner:
+    """The reference runner, or on a GPU the runner of its fast path (chapter 9)."""
+    if engine_config.device.type == "cuda":
+        from mini_vllm.gpu.model_runner import GPUModelRunner
+
+        return GPUModelRunner(engine_config)
+    return ModelRunner(engine_config)
+
+
+def make_sampler(device: torch.device) -> Sampler:
+    """The reference sampler, or on a GPU the fused one (chapter 9)."""
+    if device.type == "cuda":
+        from mini_vllm.gpu.sampler import FusedSampler
+
+        return FusedSampler()
+    return Sampler()
+
+
+__all__ = ["InputProcessor", "LLMEngine", "ProcessedRequest", "make_model_runner",
+           "make_sampler"]

@@ -27,6 +27,7 @@ from torch import nn
 
 from mini_vllm.attention import AttentionBackend
 from mini_vllm.config import ModelConfig
+from mini_vllm.layers import select_implementations
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -162,15 +163,7 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             f"checkpoint {model_dir} is missing {len(missing)} tensor(s): "
             + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
         )
-    _after_loading(model)
 # --8<-- [end:load_weights]
-
-
-def _after_loading(model: nn.Module) -> None:
-    # What a model does to its weights once they are all in (folding norms).
-    process = getattr(model, "process_weights_after_loading", None)
-    if process is not None:
-        process()
 
 
 @torch.no_grad()
@@ -187,7 +180,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(1.0, 0.1, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
-    _after_loading(model)
 
 
 def load_model(
@@ -212,7 +204,8 @@ def load_model(
         seed: the dummy weights' seed.
 
     Returns:
-        The model in eval mode.
+        The model in eval mode, each block on its fast implementation where
+        that can run on `device` in `dtype` (`select_implementations`).
 
     Raises:
         ValueError: for an unknown `load_format`, or a checkpoint that does
@@ -230,6 +223,7 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
+    select_implementations(model, device, dtype)
     return model.eval()
 
 

@@ -53,7 +53,7 @@ V7_TILE_TOKENS = 16
 V7_HEAD_DIMS = (64, 128)
 # Version 7's wide ring, (warps, stages): what the launcher picks by itself
 # for a grid of many waves, and what the engine asks for when a batch's
-# contexts differ (cuda_backend.py, chapter 9).
+# contexts differ (gpu/attention.py, chapter 9).
 V7_WIDE_RING = (4, 2)
 # Version 8 runs version 7's tiles on a persistent grid of at most this many
 # CTAs per SM (it launches as many as fit, 4 on an H200); its workspace holds

@@ -9,9 +9,18 @@ import pytest
 import torch
 
 from mini_vllm import ops
-from mini_vllm.attention import Attention, AttentionMetadata, TorchAttentionBackend
+from mini_vllm.attention import AttentionMetadata, TorchAttentionBackend
 from mini_vllm.config import ModelConfig
-from mini_vllm.models.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
+from mini_vllm.gpu.fused_layers import (
+    FusedDecoderForward,
+    fold_norm_weights,
+    foldable,
+    layer_kernels_usable,
+    prepare_forward,
+)
+from mini_vllm.layers import RotaryEmbedding, select_implementations
+from mini_vllm.models.loader import load_weights
+from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.ops import layer_ops
 
 pytestmark = pytest.mark.phase9
@@ -40,6 +49,18 @@ def _one_sequence_meta(start: int, count: int, device: str) -> AttentionMetadata
         block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=device),
         max_query_len=count, max_context_len=start + count,
         query_start_loc_cpu=[0, count], context_lens_cpu=[start + count])
+
+
+def _model(config: ModelConfig, device: str, dtype: torch.dtype, path=None, backend=None,
+           fast: bool = True) -> Qwen3ForCausalLM:
+    """A Qwen3 on `device`, loaded from `path` when given, each block on its fast
+    implementation where it runs (`fast`), as the loader leaves it."""
+    model = Qwen3ForCausalLM(config, backend, device=device, dtype=dtype)
+    if path is not None:
+        load_weights(model, path)
+    if fast:
+        select_implementations(model, device, dtype)
+    return model
 
 
 # --- on any machine -----------------------------------------------------------------------
@@ -117,46 +138,23 @@ def test_qk_norm_rope_rejects_rows_off_16_bytes():
                                kv_cache=(cache, cache.clone()), slot_mapping=torch.arange(t))
 
 
-def test_attention_skips_the_write_when_the_kv_is_written():
-    """`kv_written=True`: the caller stored K/V already; the backend only attends."""
-    writes = []
-
-    class SpyBackend(TorchAttentionBackend):
-        def write_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
-            writes.append(slot_mapping)
-            super().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-
-    t, h, d, block = 3, 2, 8, 4
-    attn = Attention(h, h, d, d**-0.5, SpyBackend())
-    q, k, v = (torch.randn(t, h, d) for _ in range(3))
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(block, block + t), query_start_loc=torch.tensor([0, t]),
-        context_lens=torch.tensor([t]), block_tables=torch.tensor([[1]]), max_query_len=t,
-        max_context_len=t, query_start_loc_cpu=[0, t], context_lens_cpu=[t])
-    k_cache, v_cache = torch.zeros(2, block, h, d), torch.zeros(2, block, h, d)
-    out = attn(q, k, v, (k_cache, v_cache), meta)
-    assert len(writes) == 1
-    fresh = (torch.zeros_like(k_cache), torch.zeros_like(v_cache))
-    fresh[0][1, :t], fresh[1][1, :t] = k, v  # as the fused kernel would have stored them
-    torch.testing.assert_close(attn(q, k, v, fresh, meta, kv_written=True), out)
-    assert len(writes) == 1
-
-
-def test_attention_layer_hands_the_cache_write_to_qk_norm_rope(tiny_model_dir, monkeypatch):
+def test_fused_attention_hands_the_cache_write_to_qk_norm_rope(tiny_model_dir, monkeypatch):
     """The wiring, on the CPU: with the kernels on and a backend that writes with the
-    kernel, `Qwen3Attention` gives `qk_norm_rope` the caches and the slots and the backend
-    writes nothing; output and caches are those of the reference layer. The kernel is
-    stood in for by its torch reference plus `write_kv_cache`."""
+    kernel, the fused layer gives `qk_norm_rope` the caches, the slots and the residual
+    to scale by, and the backend writes nothing; the residual and the caches end as the
+    reference layer leaves them. The kernel is stood in for by its torch reference plus
+    `write_kv_cache`."""
     from mini_vllm.attention import write_kv_cache
-    from mini_vllm.models.qwen3 import Qwen3Attention
 
     config = ModelConfig.from_pretrained(tiny_model_dir)
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     fused_writes, backend_writes = [], []
 
     def qk_norm_rope_torch(qkv, q_weight, k_weight, cos_sin_cache, positions, num_q_heads,
-                           num_kv_heads, head_dim, eps, *, kv_cache=None, slot_mapping=None):
+                           num_kv_heads, head_dim, eps, *, kv_cache=None, slot_mapping=None,
+                           residual=None, residual_eps=1e-6):
         t = qkv.shape[0]
+        qkv.copy_(layer_ops.scale_rows_ref(qkv, residual, residual_eps))
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q_new, k_new = layer_ops.qk_norm_rope_ref(q.reshape(t, hq, d), k.reshape(t, hkv, d),
                                                   q_weight, k_weight, cos_sin_cache,
@@ -175,30 +173,35 @@ def test_attention_layer_hands_the_cache_write_to_qk_norm_rope(tiny_model_dir, m
             super().write_kv_cache(*args)
 
     monkeypatch.setattr(layer_ops, "qk_norm_rope", qk_norm_rope_torch)
-    fused = Qwen3Attention(config, KernelWriteBackend(), dtype=torch.float32, use_kernels=True)
-    ref = Qwen3Attention(config, dtype=torch.float32)
-    for p in fused.parameters():
-        p.normal_()
-    ref.load_state_dict(fused.state_dict())
+    fused = _model(config, "cpu", torch.float32, tiny_model_dir, KernelWriteBackend())
+    ref = _model(config, "cpu", torch.float32, tiny_model_dir)
+    forward = FusedDecoderForward(fused, kernels=True)
     t, block = 5, 8
     meta = AttentionMetadata(
         slot_mapping=torch.arange(block, block + t), query_start_loc=torch.tensor([0, t]),
         context_lens=torch.tensor([t]), block_tables=torch.tensor([[1]]), max_query_len=t,
         max_context_len=t, query_start_loc_cpu=[0, t], context_lens_cpu=[t])
-    rotary = RotaryEmbedding(d, 64, config.rope_theta)
     positions, x = torch.arange(t), torch.randn(t, config.hidden_size)
     caches = [(torch.zeros(2, block, hkv, d), torch.zeros(2, block, hkv, d)) for _ in range(2)]
-    out = fused((rotary.cos_sin_cache, positions), x, caches[0], meta)
+    residual = x.clone()
+    forward._attention(fused.model.layers[0], positions, residual, caches[0], meta)
     assert len(fused_writes) == 1 and not backend_writes
-    want = ref(rotary(positions, torch.float32), x, caches[1], meta)
-    torch.testing.assert_close(out, want)
-    torch.testing.assert_close(caches[0], caches[1])
+    layer = ref.model.layers[0]
+    want = x + layer.self_attn(positions, layer.input_layernorm(x), caches[1], meta)
+    torch.testing.assert_close(residual, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-5, atol=1e-5)
 
 
 def test_model_uses_kernels_only_where_they_run(tiny_model_dir):
+    """On the CPU in float32 no block runs a kernel and the GPU runner would run the
+    model's own forward; the tiny Qwen3 has the shape the fused forward takes."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32)
-    assert not model.model.use_kernels  # no GPU, float32, head_dim 32
+    model = _model(config, "cpu", torch.float32, tiny_model_dir)
+    assert not any(getattr(m, "use_fast", False) for m in model.modules())
+    assert not layer_kernels_usable(config, "cpu", torch.float32)
+    assert not layer_kernels_usable(config, "cuda", torch.bfloat16)  # head_dim 32
+    assert foldable(model)
+    assert prepare_forward(model, torch.device("cpu"), torch.float32) is model
 
 
 # --- on a GPU with the kernels built -------------------------------------------------------
@@ -271,10 +274,9 @@ def test_silu_and_mul_matches_reference(dtype, num_tokens, d):
 @needs_kernels
 @pytest.mark.gpu
 def test_model_with_kernels_matches_model_without(tiny_model_dir):
-    """The same bf16 model, fused kernels on and off: the same logits to bf16 rounding."""
-    from mini_vllm.attention import AttentionMetadata
+    """The same bf16 model, its blocks' kernels on and off: the same logits to bf16
+    rounding."""
     from mini_vllm.checkpoint import make_model
-    from mini_vllm.models.loader import load_weights
 
     path = make_model(tiny_model_dir.parent / "kernels-64", preset="tiny",
                       overrides={"head_dim": 64})
@@ -283,9 +285,8 @@ def test_model_with_kernels_matches_model_without(tiny_model_dir):
     for use in (False, True):
         # Unfolded on both sides: the kernels round where the torch ops do
         # (folding the norms changes where a bf16 model rounds; tested below).
-        m = Qwen3ForCausalLM(config, device="cuda", dtype=torch.bfloat16, use_kernels=use,
-                             fold_norms=False)
-        load_weights(m, path)
+        m = _model(config, "cuda", torch.bfloat16, path, fast=use)
+        assert any(getattr(b, "use_fast", False) for b in m.modules()) == use
         models.append(m)
     t = 12
     kv = [(torch.zeros(4, 16, config.num_key_value_heads, config.head_dim, device="cuda",
@@ -442,16 +443,16 @@ def test_model_cache_write_fusion_changes_no_bit(tiny_model_dir, monkeypatch):
     and without (reshape_and_cache): a 12-token prefill and decode steps of one token
     give the same logits and the same caches, bit for bit."""
     from mini_vllm.checkpoint import make_model
-    from mini_vllm.cuda_backend import CudaAttentionBackend
-    from mini_vllm.models.loader import load_weights
+    from mini_vllm.gpu.attention import CudaAttentionBackend
 
     path = make_model(tiny_model_dir.parent / "fusions-64", preset="tiny",
                       overrides={"head_dim": 64})
     config = ModelConfig.from_pretrained(path)
     dev, dtype, block, prompt_len, steps = "cuda", torch.bfloat16, 16, 12, 4
     backend = CudaAttentionBackend(dtype, config.head_dim, dev, use_kernels=True)
-    model = Qwen3ForCausalLM(config, backend, device=dev, dtype=dtype, use_kernels=True)
-    load_weights(model, path)
+    model = _model(config, dev, dtype, path, backend)
+    forward = prepare_forward(model, torch.device(dev), dtype)
+    assert isinstance(forward, FusedDecoderForward)
     writes: list[int] = []
     write_kv_cache = backend.write_kv_cache
 
@@ -474,8 +475,8 @@ def test_model_cache_write_fusion_changes_no_bit(tiny_model_dir, monkeypatch):
         logits, start = [], 0
         with torch.no_grad():
             for _ in range(steps + 1):
-                h = model(ids, torch.arange(start, start + len(ids), device=dev), kv,
-                          meta(start, len(ids)))
+                h = forward(ids, torch.arange(start, start + len(ids), device=dev), kv,
+                            meta(start, len(ids)))
                 logits.append(model.compute_logits(h))
                 start += len(ids)
                 ids = logits[-1][-1:].argmax(dim=-1)
@@ -688,7 +689,8 @@ def test_sample_tokens_is_a_function_of_each_rows_seed():
 @needs_kernels
 @pytest.mark.gpu
 def test_sampler_on_gpu_keeps_seeds_independent_of_the_batch():
-    from mini_vllm.sampler import Sampler, SamplingMetadata, make_generator
+    from mini_vllm.gpu.sampler import FusedSampler, FusedSamplingMetadata
+    from mini_vllm.sampler import make_generator
     from mini_vllm.sampling_params import SamplingParams
 
     logits = torch.randn(5, 1000, device="cuda", dtype=torch.bfloat16)
@@ -697,9 +699,9 @@ def test_sampler_on_gpu_keeps_seeds_independent_of_the_batch():
         reqs = [(SamplingParams(temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, seed=s),
                  None if s is None else make_generator(s, "cuda"), [1], [5] * num_outputs)
                 for s in rows]
-        meta = SamplingMetadata.build(reqs, "cuda", 1000)
+        meta = FusedSamplingMetadata.build(reqs, "cuda", 1000)
         assert meta.noise_seeds is not None  # the fused kernel draws
-        return Sampler()(logits[: len(rows)], meta).sampled_token_ids.tolist()
+        return FusedSampler()(logits[: len(rows)], meta).sampled_token_ids.tolist()
 
     alone = draw([42])[0]
     logits[3] = logits[0]  # the same request, now fourth in a batch of four
@@ -713,7 +715,7 @@ def test_sampler_on_gpu_keeps_seeds_independent_of_the_batch():
 @pytest.mark.gpu
 def test_sampler_fused_and_torch_paths_agree_in_distribution():
     """Penalties and min_tokens go through float32 first, then the same kernel."""
-    from mini_vllm.sampler import Sampler, SamplingMetadata
+    from mini_vllm.gpu.sampler import FusedSampler, FusedSamplingMetadata
     from mini_vllm.sampling_params import SamplingParams
 
     torch.manual_seed(1)
@@ -721,9 +723,9 @@ def test_sampler_fused_and_torch_paths_agree_in_distribution():
     logits = torch.randn(vocab, device="cuda").expand(n, vocab).contiguous()
     params = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, min_p=0.0,
                             presence_penalty=0.5)
-    meta = SamplingMetadata.build([(params, None, [1], [2])] * n, "cuda", vocab)
+    meta = FusedSamplingMetadata.build([(params, None, [1], [2])] * n, "cuda", vocab)
     assert meta.noise_seeds is not None and meta.output_token_counts is not None
-    tokens = Sampler()(logits, meta).sampled_token_ids
+    tokens = FusedSampler()(logits, meta).sampled_token_ids
     expected = logits[0].double()
     expected[2] -= 0.5  # token 2 is in the output: the presence penalty
     p = (expected / 0.8).softmax(0)
@@ -735,11 +737,13 @@ def test_sampler_fused_and_torch_paths_agree_in_distribution():
 # --- the norms folded into the weights ----------------------------------------------------
 
 def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
-                   dtype: torch.dtype, prompt_len: int = 12, steps: int = 3
-                   ) -> list[torch.Tensor]:
+                   dtype: torch.dtype, prompt_len: int = 12, steps: int = 3,
+                   forward=None) -> list[torch.Tensor]:
     """A prompt, then `steps` decodes of one sequence in blocks 1 and 2, every model fed
     the same tokens (drawn, not sampled: models that round differently must not drift
-    apart): every step's logits, in float32."""
+    apart): every step's logits, in float32. `forward`: the model's (default) or one
+    the GPU runner would run (`FusedDecoderForward`)."""
+    forward = forward or model
     block = 16
     shape = (4, block, config.num_key_value_heads, config.head_dim)
     kv = [(torch.zeros(shape, device=device, dtype=dtype),
@@ -751,8 +755,8 @@ def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
     with torch.no_grad():
         for count in [prompt_len] + [1] * steps:
             ids = tokens[start:start + count]
-            h = model(ids, torch.arange(start, start + count, device=device), kv,
-                      _one_sequence_meta(start, count, device))
+            h = forward(ids, torch.arange(start, start + count, device=device), kv,
+                        _one_sequence_meta(start, count, device))
             logits.append(model.compute_logits(h))
             start += count
     return logits
@@ -761,34 +765,33 @@ def _decode_logits(model: Qwen3ForCausalLM, config: ModelConfig, device: str,
 def test_folded_norms_compute_the_same_model(tiny_model_dir):
     """float32 on the CPU (the torch references of the kernels): the layer with its two
     norms folded into qkv_proj / gate_up_proj and o_proj / down_proj adding into the
-    residual gives the unfolded model's logits, prefill and decodes."""
-    from mini_vllm.models.loader import load_weights
-
+    residual gives the unfolded model's logits, prefill and decodes; after folding, the
+    model's own forward still computes the same function."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    logits = []
-    for fold in (False, True):
-        model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, fold_norms=fold)
-        load_weights(model, tiny_model_dir)  # folds, with fold_norms
-        assert model.model.norms_folded == fold
-        logits.append(_decode_logits(model, config, "cpu", torch.float32))
-    for got, want in zip(logits[1], logits[0]):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    want = _decode_logits(_model(config, "cpu", torch.float32, tiny_model_dir), config, "cpu",
+                          torch.float32)
+    model = _model(config, "cpu", torch.float32, tiny_model_dir)
+    folded = FusedDecoderForward(model, kernels=False)
+    for forward in (folded, model):
+        got = _decode_logits(model, config, "cpu", torch.float32, forward=forward)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-def test_fold_norms_is_guarded(tiny_model_dir):
+def test_folding_moves_the_norm_weights_into_the_products(tiny_model_dir):
+    """`W <- W * diag(g)` and `g <- 1`: folding twice changes nothing more."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    assert not Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32).model.fold_norms
-    model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, fold_norms=True)
-    for p in model.parameters():
-        p.data.normal_()
-    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
-        _decode_logits(model, config, "cpu", torch.float32, steps=0)  # weights not folded
-    w = model.model.layers[0].self_attn.qkv_proj.weight.clone()
-    g = model.model.layers[0].input_layernorm.weight
-    model.process_weights_after_loading()
-    torch.testing.assert_close(model.model.layers[0].self_attn.qkv_proj.weight, w * g)
-    with pytest.raises(RuntimeError, match="already folded"):
-        model.process_weights_after_loading()
+    model = _model(config, "cpu", torch.float32, tiny_model_dir)
+    layer = model.model.layers[0]
+    w, g = layer.self_attn.qkv_proj.weight.clone(), layer.input_layernorm.weight.clone()
+    w2, g2 = layer.mlp.gate_up_proj.weight.clone(), layer.post_attention_layernorm.weight.clone()
+    assert not torch.equal(g, torch.ones_like(g))
+    fold_norm_weights(layer)
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, w * g)
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight, w2 * g2)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g))
+    fold_norm_weights(layer)
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, w * g)
 
 
 def test_scale_rows_ref_is_the_norm_without_its_weight():
@@ -895,20 +898,19 @@ def test_folding_the_norms_costs_no_accuracy(tiny_model_dir, prompt_len):
     itself does), so the test is that the folded model is as close to float32 as the
     unfolded one, prefill (gemv or cuBLAS rows) and decodes (gemv)."""
     from mini_vllm.checkpoint import make_model
-    from mini_vllm.models.loader import load_weights
 
     path = make_model(tiny_model_dir.parent / "folded-64", preset="tiny",
                       overrides={"head_dim": 64})
     config = ModelConfig.from_pretrained(path)
-    ref = Qwen3ForCausalLM(config, device="cuda", dtype=torch.float32)
-    load_weights(ref, path)
+    ref = _model(config, "cuda", torch.float32, path)
     want = torch.cat(_decode_logits(ref, config, "cuda", torch.float32, prompt_len)).double()
     errors = {}
     for fold in (False, True):
-        model = Qwen3ForCausalLM(config, device="cuda", dtype=torch.bfloat16, fold_norms=fold)
-        assert model.model.use_kernels
-        load_weights(model, path)
-        got = torch.cat(_decode_logits(model, config, "cuda", torch.bfloat16, prompt_len))
+        model = _model(config, "cuda", torch.bfloat16, path)
+        assert layer_kernels_usable(config, "cuda", torch.bfloat16)
+        forward = FusedDecoderForward(model, kernels=True) if fold else model
+        got = torch.cat(_decode_logits(model, config, "cuda", torch.bfloat16, prompt_len,
+                                       forward=forward))
         assert not got.isnan().any()
         errors[fold] = ((got.double() - want).norm() / want.norm()).item()
     assert errors[False] < 0.05, errors

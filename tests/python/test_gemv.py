@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from mini_vllm import ops
 from mini_vllm.config import ModelConfig
-from mini_vllm.models import qwen3
-from mini_vllm.models.qwen3 import Linear, Qwen3ForCausalLM
+from mini_vllm.layers import Linear, select_implementations
+from mini_vllm.layers import linear as linear_module
+from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.ops._extension import extension
 from mini_vllm.ops.gemv import (
     GEMM_MAX_ROWS,
@@ -27,6 +28,14 @@ from mini_vllm.ops.gemv import (
 from mini_vllm.ops.layer_ops import silu_and_mul
 
 pytestmark = [pytest.mark.phase9]
+
+
+def _fast_linear(*args: object, **kwargs: object) -> Linear:
+    """A `Linear` on its fast implementation, as the loader leaves it on a GPU (on the
+    CPU its kernels decline every input and cuBLAS's place goes to `F.linear`)."""
+    layer = Linear(*args, **kwargs)
+    layer.use_fast = True
+    return layer
 
 needs_kernels = pytest.mark.skipif(
     not ops.is_available(), reason=ops.unavailable_reason() or "CUDA kernels available"
@@ -132,7 +141,7 @@ def test_gemv_usable_is_false_on_cpu():
 
 
 def test_linear_falls_back_to_f_linear_on_cpu():
-    layer = Linear(64, [16, 16], dtype=torch.float32, use_kernels=True)
+    layer = _fast_linear(64, [16, 16], dtype=torch.float32)
     layer.weight.copy_(torch.randn(32, 64))
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
@@ -141,21 +150,25 @@ def test_linear_falls_back_to_f_linear_on_cpu():
 def test_linear_silu_and_mul_leaves_the_cpu_to_the_caller():
     """No kernel of ours on the CPU: `Linear.silu_and_mul` says so with None, and
     the MLP runs the product and the activation apart."""
-    layer = Linear(64, [32, 32], dtype=torch.bfloat16, use_kernels=True)
+    layer = _fast_linear(64, [32, 32], dtype=torch.bfloat16)
     assert layer.silu_and_mul(torch.randn(3, 64, dtype=torch.bfloat16), 1e-6) is None
-    qkv = Linear(64, [32, 16, 16], dtype=torch.bfloat16, use_kernels=True)
+    qkv = _fast_linear(64, [32, 16, 16], dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"needs \[gate; up\] of equal halves"):
         qkv.silu_and_mul(torch.randn(3, 64, dtype=torch.bfloat16), 1e-6)
 
 
-def test_model_passes_use_kernels_to_every_linear(tiny_model_dir):
+def test_the_loader_chooses_every_linear_s_implementation(tiny_model_dir):
+    """The model's linear layers (4 a decoder layer and the head) are all on the
+    reference on the CPU, and `select_implementations` asks each whether its fast
+    path runs; a tied head still multiplies by the embedding's table."""
+    from mini_vllm.models.loader import load_model
+
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    for use in (False, True):
-        model = Qwen3ForCausalLM(config, device="cpu", dtype=torch.float32, use_kernels=use)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        assert len(linears) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
-        assert all(m.use_kernels == use for m in linears)
-        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    model = load_model(tiny_model_dir, config, torch.float32, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down; head
+    assert not any(m.use_fast for m in linears)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
 
 
 # --- on a GPU with the kernels built -------------------------------------------------------
@@ -369,13 +382,14 @@ def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypat
     from mini_vllm.checkpoint import make_model
     from mini_vllm.models.loader import load_weights
 
-    # head_dim 64 so the fused layer kernels run too (the model's use_kernels).
+    # head_dim 64 so the other blocks' kernels run too.
     path = make_model(tiny_model_dir.parent / f"gemv-{preset}", preset=preset,
                       overrides={"head_dim": 64})
     config = ModelConfig.from_pretrained(path)
     dev = "cuda"
-    model = Qwen3ForCausalLM(config, device=dev, dtype=torch.bfloat16, use_kernels=True)
+    model = Qwen3ForCausalLM(config, device=dev, dtype=torch.bfloat16)
     load_weights(model, path)
+    select_implementations(model, dev, torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     calls: list[tuple[int, int]] = []
 
@@ -383,7 +397,7 @@ def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypat
         calls.append((x.shape[0], weight.shape[0]))
         return gemv(x, weight, **kwargs)  # o_proj / down_proj: out=, accumulate=
 
-    monkeypatch.setattr(qwen3, "gemv", spy)
+    monkeypatch.setattr(linear_module, "gemv", spy)
     block, prompt_len, steps = 16, 8, 6
 
     def meta(start: int, count: int) -> AttentionMetadata:
@@ -398,7 +412,7 @@ def test_model_with_gemv_matches_model_without(tiny_model_dir, preset, monkeypat
 
     def generate(use: bool) -> tuple[list[int], list[torch.Tensor]]:
         for m in linears:
-            m.use_kernels = use
+            m.use_fast = use
         kv = [(torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
                            dtype=torch.bfloat16),
                torch.zeros(4, block, config.num_key_value_heads, config.head_dim, device=dev,
@@ -559,7 +573,7 @@ def test_linear_silu_and_mul_fuses_where_our_products_run():
     """Qwen3-0.6B's gate_up_proj: the GEMV's epilogue up to 16 rows, gemm_wgmma's up
     to 128, and None from 129 rows (cuBLAS's), each equal to the two launches."""
     dev, dtype, eps = "cuda", torch.bfloat16, 1e-6
-    gate_up = Linear(1024, [3072, 3072], device=dev, dtype=dtype, use_kernels=True)
+    gate_up = _fast_linear(1024, [3072, 3072], device=dev, dtype=dtype)
     gate_up.weight.copy_(torch.randn_like(gate_up.weight) * 1024 ** -0.5)
     for rows in (1, 16, 17, 64, 128, 129, 256):
         x = torch.randn(rows, 1024, device=dev, dtype=dtype)
@@ -592,10 +606,10 @@ def test_linear_sends_the_shapes_where_wgmma_pays_to_it(monkeypatch):
         calls.append((x.shape[0], weight.shape[0]))
         return gemm_wgmma(x, weight, **kwargs)
 
-    monkeypatch.setattr(qwen3, "gemm_wgmma", spy)
-    o_proj = Linear(2048, [1024], device=dev, dtype=dtype, use_kernels=True)
-    qkv = Linear(1024, [2048, 1024, 1024], device=dev, dtype=dtype, use_kernels=True)
-    wide_k = Linear(4096, [1024], device=dev, dtype=dtype, use_kernels=True)
+    monkeypatch.setattr(linear_module, "gemm_wgmma", spy)
+    o_proj = _fast_linear(2048, [1024], device=dev, dtype=dtype)
+    qkv = _fast_linear(1024, [2048, 1024, 1024], device=dev, dtype=dtype)
+    wide_k = _fast_linear(4096, [1024], device=dev, dtype=dtype)
     for layer in (o_proj, qkv, wide_k):
         layer.weight.copy_(torch.randn_like(layer.weight) * layer.weight.shape[1] ** -0.5)
     for rows in (17, 40, 64, 65, 128, 129):

@@ -31,8 +31,8 @@ from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFail
 from mini_vllm.engine.core_process import decode_outputs, encode_outputs
 from mini_vllm.engine.heap import heap_frozen
 from mini_vllm.engine.llm_engine import LLMEngine
+from mini_vllm.model_runner import HostCopy
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import SamplerOutput
 from mini_vllm.sampling_params import RequestOutputKind
 from mini_vllm.stop_checker import StopChecker
 from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -604,7 +604,7 @@ def _feed(engine: LLMEngine, tokens: dict[str, list[list[int]]],
                     sampled.append(tokens[rid][c.index][step])
         if not rows:
             return results
-        host = llm_engine._HostCopy(SamplerOutput(torch.tensor(sampled)))
+        host = HostCopy([torch.tensor(sampled)])
         collect(engine._process(llm_engine._Step(rows, host, {}, None, False)))
 
 

@@ -181,7 +181,7 @@ def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, b
                                               ring: dict[str, int]) -> None:
     """The engine's decode passes version 7's wide ring for a batch of sequences, and
     nothing where version 7 does not run (the wrapper would refuse `stages`)."""
-    from mini_vllm import cuda_backend
+    from mini_vllm.gpu import attention as cuda_backend
 
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(cuda_backend.ops, "paged_decode_attention",
@@ -196,21 +196,21 @@ def test_engine_decode_asks_for_the_wide_ring(monkeypatch: pytest.MonkeyPatch, b
 
 
 def test_linear_writes_into_a_given_buffer() -> None:
-    """The piecewise graphs' QKV buffer: `Linear(x, out)` fills `out` and returns it,
-    and refuses a buffer of the wrong shape or layout instead of resizing it."""
-    from mini_vllm.models.qwen3 import Linear
+    """The piecewise graphs' QKV buffer: `Linear.forward_fast(x, out)` fills `out` and
+    returns it, and refuses a buffer of the wrong shape or layout instead of resizing it."""
+    from mini_vllm.layers import Linear
 
     lin = Linear(8, [4, 4])
     lin.weight.normal_()
     x = torch.randn(3, 8)
     out = torch.full((5, 8), float("nan"))[:3]
-    y = lin(x, out)
+    y = lin.forward_fast(x, out)
     assert y.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, lin.weight))
     with pytest.raises(ValueError, match=r"out: shape \(3, 7\), the product is \(3, 8\)"):
-        lin(x, torch.empty(3, 7))
+        lin.forward_fast(x, torch.empty(3, 7))
     with pytest.raises(ValueError, match="out: must be contiguous"):
-        lin(x, torch.empty(8, 3).t())
+        lin.forward_fast(x, torch.empty(8, 3).t())
 
 
 def test_piecewise_graphs_cover_every_step_on_a_large_gpu(tiny_model_dir: Path) -> None:

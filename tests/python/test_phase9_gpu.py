@@ -20,18 +20,20 @@ from test_phase2 import Blocks, random_prompts  # phase 9 reuses phase 2's test 
 from mini_vllm import ops
 from mini_vllm.checkpoint import make_model
 from mini_vllm.config import EngineArgs, EngineConfig
-from mini_vllm.cuda_backend import CudaAttentionBackend
-from mini_vllm.cuda_graphs import (
+from mini_vllm.gpu.attention import CudaAttentionBackend
+from mini_vllm.gpu.cuda_graphs import (
     CudaGraphRunner,
     DecodeInputs,
     PiecewiseGraphRunner,
     capture_sizes,
     piecewise_sizes,
 )
+from mini_vllm.gpu.fused_layers import FusedDecoderForward
+from mini_vllm.gpu.model_runner import GPUModelRunner
+from mini_vllm.gpu.sampler import FusedSampler, FusedSamplingMetadata
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.ops.prefill import CAPTURABLE_PREFILL_BACKENDS
-from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.phase9
@@ -108,15 +110,16 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
 
 def _reference_and_fast_on_cpu(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
                                ) -> tuple[ModelRunner, ModelRunner]:
-    """A reference runner, and one on the fast path with the CUDA backend's torch
-    fallbacks, both in float32 on the CPU (no graphs: the tests give it runners)."""
+    """A reference runner, and the GPU runner with the CUDA backend's torch fallbacks and
+    the fused forward on the torch references, both in float32 on the CPU (no graphs:
+    the tests give it runners)."""
     ref = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
     monkeypatch.setattr(
-        "mini_vllm.model_runner.select_attention_backend",
+        "mini_vllm.gpu.model_runner.select_attention_backend",
         lambda device, dtype, head_dim, group=None: CudaAttentionBackend(
             dtype, head_dim, device, use_kernels=False))
-    fast = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
-    fast.use_fast_path = True
+    fast = GPUModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
+    fast.forward = FusedDecoderForward(fast.model, kernels=False)  # as on a GPU
     return ref, fast
 
 
@@ -152,7 +155,7 @@ def test_piecewise_layout_matches_reference_on_cpu(
     """
     ref, fast = _reference_and_fast_on_cpu(tiny_model_dir, monkeypatch)
     cfg = fast.model_config
-    pieces = PiecewiseGraphRunner(fast.model, fast.kv_caches, piecewise_sizes(64),
+    pieces = PiecewiseGraphRunner(fast.forward, fast.kv_caches, piecewise_sizes(64),
                                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                   fast.dtype, fast.device)
     fast.piecewise_runner = pieces
@@ -168,8 +171,15 @@ def test_piecewise_layout_matches_reference_on_cpu(
     # Every layer's QKV projection writes into the runner's one buffer.
     qkv_ptrs: set[int] = set()
     for layer in fast.model.model.layers:
-        layer.self_attn.qkv_proj.register_forward_hook(
-            lambda module, args, out: qkv_ptrs.add(out.data_ptr()))
+        proj = layer.self_attn.qkv_proj
+
+        def spy_proj(x: torch.Tensor, out: torch.Tensor | None = None,
+                     _product=proj.forward_fast) -> torch.Tensor:
+            y = _product(x, out)
+            qkv_ptrs.add(y.data_ptr())
+            return y
+
+        monkeypatch.setattr(proj, "forward_fast", spy_proj)
     prompts = random_prompts([5, 12, 1, 23, 9], ref.vocab_size)
     ref_seqs, ref_steps = greedy_run(ref, prompts, 9)
     for from_device in (False, True):
@@ -299,7 +309,7 @@ def test_capture_sizes_ladder() -> None:
 def test_float32_greedy_tokens_match_the_cpu_reference(tiny_model_dir: Path,
                                                        enforce_eager: bool) -> None:
     cpu = ModelRunner(engine_config(tiny_model_dir, "cpu", "float32"))
-    gpu = ModelRunner(engine_config(tiny_model_dir, "cuda", "float32",
+    gpu = GPUModelRunner(engine_config(tiny_model_dir, "cuda", "float32",
                                     enforce_eager=enforce_eager))
     assert (gpu.graph_runner is None) == enforce_eager
     prompts = random_prompts([4, 9, 17, 2, 30], cpu.vocab_size, seed=1)
@@ -328,7 +338,7 @@ def _prefilled(runner: ModelRunner, num_seqs: int, seed: int = 2
 def test_backend_is_chosen_automatically(tiny_model_dir: Path,
                                          caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO):
-        runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+        runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
     backend = runner.attn_backend
     assert isinstance(backend, CudaAttentionBackend)
     assert all(layer.self_attn.attn.backend is backend for layer in runner.model.model.layers)
@@ -373,7 +383,7 @@ def _assert_padding_wrote_nothing(runner: ModelRunner, tables: list[list[int]]) 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_and_padding_touches_nothing(tiny_model_dir: Path,
                                                                dtype: str) -> None:
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype))
+    runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", dtype))
     seqs, tables = _prefilled(runner, 5)  # 5 sequences: the graph of 8, 3 rows padded
     entries = [BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
     _assert_graph_equals_eager(runner, entries, dtype)
@@ -387,7 +397,7 @@ def test_capture_is_safe_from_garbage_that_owns_cuda_graphs(tiny_model_dir: Path
     by the cyclic collector, which runs at any allocation past its threshold. Were it
     to run inside a capture, the freed graph would break that capture: the runners
     capture with the collector held off."""
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+    runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
     graphs = runner.graph_runner
     held = []  # graphs with memory of their own pools, soon held only by a cycle
     for _ in range(4):
@@ -432,7 +442,7 @@ def test_piecewise_graphs_equal_eager_and_padding_touches_nothing(
     prompt: each replays the graphs of its padded size, as eagerly. The lone
     prompt replays the graph of its whole forward where prefill attention is
     FlashAttention's (bf16), the pieces where it is not (float32's SDPA)."""
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", dtype,
+    runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", dtype,
                                        max_piecewise_graph_tokens=64))
     pieces = runner.piecewise_runner
     assert pieces is not None and pieces.sizes == [16, 32, 64]
@@ -500,7 +510,7 @@ def test_a_lone_prompt_replays_one_graph_of_its_whole_forward(
     store nothing. With head_dim 32 prefill attention is FlashAttention-2's,
     with 128 our Hopper kernel's (on an H100/H200)."""
     model_dir = tiny_model_dir if head_dim == 32 else head_dim_128_model_dir
-    runner = ModelRunner(engine_config(model_dir, "cuda", "bfloat16",
+    runner = GPUModelRunner(engine_config(model_dir, "cuda", "bfloat16",
                                        max_piecewise_graph_tokens=64))
     pieces = runner.piecewise_runner
     impl = runner.attn_backend.prefill_impl
@@ -554,8 +564,8 @@ def test_a_lone_prompt_replays_one_graph_of_its_whole_forward(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("use_graph", [True, False], ids=["graph", "eager"])
 def test_a_step_has_no_host_sync(tiny_model_dir: Path, use_graph: bool) -> None:
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
-    sampler = Sampler()
+    runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16"))
+    sampler = FusedSampler()
     seqs, tables = _prefilled(runner, 5)
     greedy, random_ = SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_p=0.9)
     rows = [(greedy if i % 2 else random_, None, s, []) for i, s in enumerate(seqs)]
@@ -565,7 +575,7 @@ def test_a_step_has_no_host_sync(tiny_model_dir: Path, use_graph: bool) -> None:
         entries = [BatchEntry([s[-1]], len(s) - 1, t, prev_sample_row=-1 if prev is None else i)
                    for i, (s, t) in enumerate(zip(seqs, tables))]
         logits = runner.execute_fast(entries, prev, use_graph=use_graph)
-        meta = SamplingMetadata.build(rows, runner.device, runner.vocab_size)
+        meta = sampler.build_metadata(rows, runner.device, runner.vocab_size)
         return sampler(logits, meta).sampled_token_ids
 
     def mixed_step() -> torch.Tensor:
@@ -589,18 +599,14 @@ def test_a_step_has_no_host_sync(tiny_model_dir: Path, use_graph: bool) -> None:
 def _hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under Hugging Face's names (fused projections split), in float32.
 
-    With the norms folded, qkv_proj and gate_up_proj hold `W * diag(norm.weight)`:
-    divided by the norm's weight again (in float32) they give HF the function our
-    model computes."""
+    With the norms folded, qkv_proj and gate_up_proj hold `W * diag(norm.weight)` and
+    the norms' weights are 1: the same function, which HF computes from them as they
+    are."""
     packed = Qwen3ForCausalLM.packed_modules_mapping
-    folded = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}
     state = {}
     for name, param in model.named_parameters():
         module, _, pname = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
-        if model.model.norms_folded and leaf in folded:
-            norm = model.get_submodule(f"{parent.rpartition('.')[0]}.{folded[leaf]}")
-            param = param.float() / norm.weight.float()
         if leaf in packed:
             parts = param.split(model.get_submodule(module).output_sizes)
             for sub, part in zip(packed[leaf], parts):
@@ -617,7 +623,7 @@ def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
 
     model_dir = make_model(tmp_path / "qwen3-0.6b", preset="qwen3-0.6b", weights=False)
-    runner = ModelRunner(EngineArgs(
+    runner = GPUModelRunner(EngineArgs(
         model=str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
         block_size=16, num_gpu_blocks_override=64, max_model_len=512, max_num_seqs=4,
     ).create_engine_config())
@@ -625,7 +631,9 @@ def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
         hf = transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
             attn_implementation="sdpa").eval()
-    assert runner.model.model.norms_folded  # the fast path folds the norms into the weights
+    assert isinstance(runner.forward, FusedDecoderForward)  # norms folded into the weights
+    norm = runner.model.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
     result = hf.load_state_dict(_hf_state_dict(runner.model), strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
 
@@ -673,7 +681,7 @@ def test_kv_cache_is_sized_from_free_memory(tiny_model_dir: Path,
     budget = 3 * 2**30  # what we leave the engine above what is in use now
     utilization = (total - free + budget) / total
     with caplog.at_level(logging.INFO, logger="mini_vllm.model_runner"):
-        runner = ModelRunner(engine_config(
+        runner = GPUModelRunner(engine_config(
             tiny_model_dir, "cuda", "bfloat16", num_gpu_blocks_override=None, block_size=16,
             gpu_memory_utilization=utilization, max_num_seqs=1024, max_model_len=4096,
             max_num_batched_tokens=2048, enforce_eager=True))
@@ -693,8 +701,8 @@ def test_sampling_metadata_next_step_equals_a_fresh_build() -> None:
     outputs = [[3, 4], [], [5, 6, 7]]
 
     def build():
-        return SamplingMetadata.build([(params, None, [1], out, 100 + i)
-                                       for i, out in enumerate(outputs)], "cuda", 1000)
+        return FusedSamplingMetadata.build([(params, None, [1], out, 100 + i)
+                                            for i, out in enumerate(outputs)], "cuda", 1000)
 
     meta = build()
     assert meta.keyed and meta.noise_seeds is not None
@@ -703,8 +711,8 @@ def test_sampling_metadata_next_step_equals_a_fresh_build() -> None:
     advanced = meta.next_step()
     assert advanced is not None
     assert torch.equal(advanced.noise_seeds, build().noise_seeds)
-    penalised = SamplingMetadata.build([(params.replace(presence_penalty=0.5), None, [1], [2], 1)],
-                                       "cuda", 1000)
+    penalised = FusedSamplingMetadata.build(
+        [(params.replace(presence_penalty=0.5), None, [1], [2], 1)], "cuda", 1000)
     assert penalised.next_step() is None  # penalties depend on the tokens: rebuild
 
 
@@ -727,7 +735,7 @@ def test_reused_sampling_metadata_draws_the_same_tokens(tiny_model_dir: Path,
         return [o.outputs[0].token_ids for o in outs]
 
     reused = run()
-    monkeypatch.setattr(SamplingMetadata, "next_step", lambda self: None)
+    monkeypatch.setattr(FusedSamplingMetadata, "next_step", lambda self: None)
     assert run() == reused
     assert len({tuple(t) for t in reused}) == 4
 
@@ -779,7 +787,7 @@ def test_blocks_of_64_give_the_tokens_of_blocks_of_16(tiny_model_dir: Path) -> N
 
 def test_small_batches_get_a_graph_per_context_bound() -> None:
     """Batch 1 is captured per bound of the ladder; a batch that fills the GPU once."""
-    from mini_vllm.cuda_graphs import CONTEXT_BOUNDS, context_bounds
+    from mini_vllm.gpu.cuda_graphs import CONTEXT_BOUNDS, context_bounds
     from mini_vllm.ops.paged_attention import decode_partition_size
 
     def grid(bs: int):
@@ -803,7 +811,7 @@ def test_small_batches_get_a_graph_per_context_bound() -> None:
 @pytest.mark.parametrize("context", [100, 600, 3000])
 def test_graph_of_each_context_bound_equals_eager(tiny_model_dir: Path, context: int) -> None:
     """Batch 1 replays the graphs of bounds 256, 1,024 and 4,096 (68 splits of 64 at 3k)."""
-    runner = ModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16", block_size=16,
+    runner = GPUModelRunner(engine_config(tiny_model_dir, "cuda", "bfloat16", block_size=16,
                                        num_gpu_blocks_override=260, max_model_len=4096))
     assert runner.graph_runner.bounds[1] == [256, 1024, 4096]
     prompt = random_prompts([context], runner.vocab_size, seed=7)[0]
@@ -822,7 +830,7 @@ def test_programmatic_launch_changes_no_bit(tiny_model_dir: Path) -> None:
     """Kernels launched with PDL (the default on sm_90+) and without: the same logits.
 
     A head_dim of 64 puts every fused kernel of a decode step in the chain (the
-    tiny model's 32 keeps the torch norms); graphs and eager steps, batches 1 to 5.
+    tiny model's 32 runs the unfused forward); graphs and eager steps, batches 1 to 5.
     """
 
     path = make_model(tiny_model_dir.parent / "pdl-64", preset="tiny",
@@ -832,7 +840,7 @@ def test_programmatic_launch_changes_no_bit(tiny_model_dir: Path) -> None:
     try:
         for pdl in (False, True):
             ops.set_programmatic_launch(pdl)  # graphs keep the setting they were captured with
-            runner = ModelRunner(engine_config(path, "cuda", "bfloat16"))
+            runner = GPUModelRunner(engine_config(path, "cuda", "bfloat16"))
             results[pdl] = greedy_run(runner, prompts, num_steps=9)
             del runner
     finally:

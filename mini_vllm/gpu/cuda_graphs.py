@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from mini_vllm.attention import KVCache
-from mini_vllm.cuda_backend import AttentionSplit, CudaAttentionBackend, CudaAttentionMetadata
+from mini_vllm.gpu.attention import AttentionSplit, CudaAttentionBackend, CudaAttentionMetadata
 from mini_vllm.ops._extension import extension, is_available
 
 logger = logging.getLogger(__name__)

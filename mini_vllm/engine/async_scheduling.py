@@ -1,0 +1,59 @@
+"""Async scheduling: launch step N+1 before reading step N back.
+
+`LLMEngine.step()` (chapter 6) schedules, launches, then waits for the
+sampled tokens and records them: while the host detokenizes, checks stops and
+schedules the next step, the GPU has nothing queued. With async scheduling
+(on by default on a GPU) the engine launches the next step first and reads
+the previous one back after, so the host's work overlaps the device's:
+
+```
+host:   schedule N+1 | launch N+1 | read N, detok N, stop N | schedule N+2 | ...
+device: ...  forward N, sample N  | forward N+1, sample N+1 | ...
+```
+
+Requests sampled in step N carry a placeholder token until it is read back;
+step N+1 takes its value on the device (`BatchEntry.prev_sample_row`). A
+request that step N finished with a stop token or string was already
+launched in step N+1: that one token is wasted and dropped. One whose
+placeholder is its `max_tokens`-th token is not launched again: the count
+alone says it is done.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mini_vllm.engine.llm_engine import _Step
+    from mini_vllm.outputs import RequestOutput
+
+
+class AsyncScheduling:
+    """`LLMEngine`'s overlapped step (the engine mixes this in; see the module docstring)."""
+
+    _in_flight: _Step | None  # launched, not read back
+
+    # --8<-- [start:step_async]
+    def step_async(self) -> list[RequestOutput]:
+        """One engine iteration that leaves the step it launched in flight."""
+        outputs: list[RequestOutput] = []
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and prev.needs_values:
+            # Penalties need the previous tokens' values on the host: no overlap.
+            outputs += self._process(prev)
+            prev = None
+        sched = self.scheduler.schedule()
+        cur = self._launch(sched, prev) if sched.scheduled else None
+        if cur is None:
+            self._last_sampling = None  # no token drawn: the next rows start afresh
+        if isinstance(cur, list):  # the step failed
+            outputs += cur
+            cur = None
+        if prev is not None:
+            outputs += self._process(prev)
+        self._in_flight = cur
+        return outputs
+    # --8<-- [end:step_async]
+
+
+__all__ = ["AsyncScheduling"]
