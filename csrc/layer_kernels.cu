@@ -12,7 +12,7 @@
 //                       optionally also storing k and v in the KV cache
 //   silu_and_mul        y = silu(gate) * up
 //
-// With the norms folded into the weights (mini_vllm/models/qwen3.py), the
+// With the norms folded into the weights (mini_vllm/gpu/fused_layers.py), the
 // matrix products before q/k-norm + RoPE and before silu_and_mul take the raw
 // residual stream r; these two kernels then multiply their inputs by the
 // token's 1 / rms(r) first (row_inv_rms below), which is all that is left of

@@ -79,8 +79,9 @@ def fold_norm_weights(layer: nn.Module) -> None:
     and the fused forward needs only the norms' row scale."""
     for linear, norm in ((layer.self_attn.qkv_proj, layer.input_layernorm),
                          (layer.mlp.gate_up_proj, layer.post_attention_layernorm)):
-        w = linear.weight
-        w.copy_((w.float() * norm.weight.float()).to(w.dtype))
+        # In place, no float32 copy: a bf16 product is computed in float32 and
+        # rounded once, as `(w.float() * g.float()).to(bf16)` would be.
+        linear.weight.mul_(norm.weight)  # [N, K] * [K]: column k scaled by g[k]
         norm.weight.fill_(1.0)
 # --8<-- [end:fold]
 

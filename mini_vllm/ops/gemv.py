@@ -46,7 +46,7 @@ def silu_mul_product_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     `weight` is gate_up_proj's `[gate; up]` with the post-attention norm's
     weight folded in and `x` the residual stream: the product's rows, scaled
     by `1 / rms(x)`, go through `silu(gate) * up`. The model's path without the
-    fused epilogue, op for op (`Qwen3MLP.forward_folded`).
+    fused epilogue, op for op (`gpu.fused_layers.FusedDecoderForward._mlp`).
     """
     return silu_and_mul_ref(scale_rows_ref(gemv_ref(x, weight), x, eps))
 # --8<-- [end:silu_mul_product_ref]

@@ -63,7 +63,7 @@ def scale_rows_ref(x: torch.Tensor, residual: torch.Tensor, eps: float) -> torch
     """`x * inv_rms` per row, `inv_rms = 1 / sqrt(mean(residual^2) + eps)` in float32.
 
     What is left of an RMSNorm whose weight was folded into the next matrix
-    product (`models.qwen3`): that product took the raw `residual`, so its
+    product (`gpu.fused_layers`): that product took the raw `residual`, so its
     output rows still need the norm's scale. The kernels do this on their
     inputs (`residual=` of `qk_norm_rope` and `silu_and_mul`).
     """
