@@ -222,7 +222,7 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
     launch, process = engine._launch, engine._process
     kv_tokens: dict[int, int] = {}  # id of a launched step -> context tokens its decodes read
 
-    def record_launch(sched: Any, prev: Any) -> Any:
+    def record_launch(sched: Any, prev: Any = None) -> Any:
         step = launch(sched, prev)
         kv_tokens[id(step)] = sum(s.start_pos + s.num_new_tokens
                                   for s in sched.scheduled if not s.is_prefill)
@@ -230,10 +230,9 @@ def breakdown(llm: Any, run: Any) -> dict[str, Any]:
 
     def record(step: Any) -> Any:
         out = process(step)
-        host = step.host
-        if host is not None and host.start is not None:
-            steps.append((host.decode_only, len(step.rows),
-                          host.start.elapsed_time(host.event) / 1e3, kv_tokens.pop(id(step), 0)))
+        seconds = step.host.gpu_seconds()  # after `process` waited for it
+        if seconds is not None:
+            steps.append((step.decode_only, len(step.rows), seconds, kv_tokens.pop(id(step), 0)))
         return out
 
     engine.scheduler.reset_prefix_cache()  # else the prompts of the timed run are cached
