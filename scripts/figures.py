@@ -495,8 +495,8 @@ def pair_runs(res: Results, pattern: str, runs: Sequence[str]) -> list[dict]:
 
 
 @block("fold-norms", "python benchmarks/throughput.py --backends mini-vllm --breakdown "
-       "--output benchmarks/results/fold_norms/after_1.json (before_1, after_2, before_2: "
-       "the version before from an exported copy of it)")
+       "--output benchmarks/results/fold_norms/after_1.json (and after_2; before_1, before_2: "
+       "the same on the code without the folding)")
 def fold_norms(res: Results) -> str:
     """The standard workload with and without the norms folded into the weights."""
     before = pair_runs(res, "fold_norms/before_{}.json", "12")
@@ -547,8 +547,8 @@ def async_step(res: Results) -> str:
 
 
 @block("sampler", "python benchmarks/step_profile.py --output "
-       "benchmarks/results/two_level_sampler/after_b256.json (and --batch 1; the one-level "
-       "version from an exported copy of it, before_*)")
+       "benchmarks/results/two_level_sampler/after_b256.json (and --batch 1; before_*: "
+       "the same on the code with the one-level race)")
 def sampler(res: Results) -> str:
     """The torch pipeline, the one-level race and the two-level race, per step."""
     rows = []
@@ -815,8 +815,8 @@ def before_after_step(res: Results, folder: str, batches: Sequence[int],
 
 
 @block("silu-step", "python benchmarks/step_profile.py --batch 1 --context 128 --no-engine "
-       "--output benchmarks/results/silu_epilogue/step_profile_b1_after.json (and _before, "
-       "from a copy of the version before)")
+       "--output benchmarks/results/silu_epilogue/step_profile_b1_after.json (and _before: "
+       "the same on the code without the epilogue)")
 def silu_step(res: Results) -> str:
     """The batch-1 decode graph before and after SiLU · mul moved into the epilogue."""
     return table(["sequences × context", "floor", "two launches", "in the epilogue", "change"],
@@ -826,8 +826,8 @@ def silu_step(res: Results) -> str:
 @block("idle-consumer", "python benchmarks/kernels.py --tables silu_epilogue --out "
        "benchmarks/results/idle_consumer/kernels_silu_epilogue_after.json; python "
        "benchmarks/step_profile.py --batch B --context 1024 --no-engine --output "
-       "benchmarks/results/idle_consumer/step_profile_bB_after.json (each also _before, "
-       "from a copy of the version before)")
+       "benchmarks/results/idle_consumer/step_profile_bB_after.json (each also _before: the "
+       "same on the code where both consumers multiply)")
 def idle_consumer(res: Results) -> str:
     """The fused product per call and the decode graph, before and after the idle
     consumer sat out."""
@@ -895,8 +895,8 @@ def prefill_kernels(res: Results) -> str:
 
 @block("prefill-ttft", "python benchmarks/latency.py --backends mini-vllm --prompt-lens 2048 "
        "8192 --output-len 16 --num-iters 3 --output "
-       "benchmarks/results/flash_prefill/h100_latency_after.json (and _before, on the version "
-       "before the kernel)")
+       "benchmarks/results/flash_prefill/h100_latency_after.json (and _before: the "
+       "same on the code without the kernel)")
 def prefill_ttft(res: Results) -> str:
     """Time to first token with FlashAttention-2 and with our kernel."""
     before = res("flash_prefill/h100_latency_before.json")
@@ -914,7 +914,7 @@ def prefill_ttft(res: Results) -> str:
 
 @block("prefill-steps", "python benchmarks/throughput.py --backends mini-vllm --max-tokens-range "
        "1 1 --breakdown --output benchmarks/results/flash_prefill/h100_prefill_only_after.json "
-       "(and _before, on the version before the kernel)")
+       "(and _before: the same on the code without the kernel)")
 def prefill_steps(res: Results) -> str:
     """The standard workload's prompts alone: GPU time of the prefill steps by kernel."""
     out = []
@@ -993,8 +993,8 @@ def piecewise_all(res: Results) -> str:
 
 @block("prompt-graph", "python benchmarks/latency.py --backends mini-vllm --prompt-lens 128 512 "
        "1024 2048 --output-len 32 --num-iters 5 --output "
-       "benchmarks/results/prompt_graph/h100_latency_after_1.json (and _2, and _before_1, _2 "
-       "on the version before)")
+       "benchmarks/results/prompt_graph/h100_latency_after_1.json (and _2; _before_1, _2: "
+       "the same on the code without the lone-prompt graph)")
 def prompt_graph(res: Results) -> str:
     """Batch-1 TTFT and TPOT before and after a lone prompt became one graph."""
     b = ["prompt_graph/h100_latency_before_1.json", "prompt_graph/h100_latency_before_2.json"]
@@ -1009,8 +1009,8 @@ def prompt_graph(res: Results) -> str:
 
 
 @block("step-inputs", "python benchmarks/latency.py --backends mini-vllm --prompt-lens 128 2048 "
-       "--num-iters 5 --output benchmarks/results/step_inputs/latency_after_1.json (and _2, and "
-       "_before_1, _2 on the version before); python benchmarks/step_profile.py --batch 1 "
+       "--num-iters 5 --output benchmarks/results/step_inputs/latency_after_1.json (and _2; "
+       "_before_1, _2: the same on the code with the staging buffer); python benchmarks/step_profile.py --batch 1 "
        "--context 128 --steps 200 --output benchmarks/results/step_inputs/step_profile_b1_after.json "
        "(and _before)")
 def step_inputs(res: Results) -> str:
@@ -1049,7 +1049,7 @@ def block_ids(res: Results) -> str:
 
 @block("gc-freeze", "python benchmarks/serving.py --launch --request-rates inf --num-requests 256 "
        "--output benchmarks/results/gc_freeze/h100_serving_after_1.json (before_1, after_1, "
-       "before_2, the version before from a copy of it with this version's serving.py)")
+       "before_2 alternated; before: the code without the freeze, with the same serving.py)")
 def gc_freeze(res: Results) -> str:
     """Saturation runs before and after the heap was frozen, alternated in one job."""
     names = [("before", "before_1"), ("after", "after_1"), ("before", "before_2")]
@@ -1234,6 +1234,59 @@ def readme_headline(res: Results) -> str:
          f"at 8,192 tokens {f1(ttft_a['8192']['ttft_ms'])} ms against {f1(ttft_b['8192']['ttft_ms'])} ms")],
     ]
     return table(["what", "command", "mini-vllm", "against"], rows)
+
+
+# --- ranges and single measurements quoted in the prose
+
+SCOPES: dict[str, Callable[[dict], bool]] = {
+    # the shapes of the bar: Qwen3-0.6B's heads, batch >= 64, context >= 1k
+    "bar": lambda r: r.get("num_q_heads", 16) == 16 and r["batch"] >= 64 and r["context"] >= 1024,
+    # Qwen3-8B's heads from batch 16 up
+    "8b16": lambda r: r.get("num_q_heads", 16) == 32 and r["batch"] >= 16,
+    # a shape's block sizes: '64x2048'
+}
+
+
+@value("range")
+def range_value(res: Results, file: str, table_: str, expr: str, scope: str) -> str:
+    """The range of a quantity over the rows of a kernels table: `us:PATH` (its time per
+    call), `frac:PATH` (its share of the copy bandwidth, '93–103 %') or `ratio:A/B`
+    (A's time over B's, '2.7–3.3×'),
+    over the rows of `scope` (bar, 8b16, or a shape such as 64x2048)."""
+    rows = res(file)[table_]
+    if scope in SCOPES:
+        rows = [r for r in rows if SCOPES[scope](r)]
+    else:
+        q, b, c = shape_key(scope)
+        rows = [r for r in rows if (r.get("num_q_heads", 16), r["batch"], r["context"]) == (q, b, c)]
+    if not rows:
+        raise KeyError(f"no rows in {scope}")
+    kind, _, what = expr.partition(":")
+    if kind == "us":
+        v = [r["paths"][what]["us"] for r in rows]
+        return f"{min(v):.1f}–{max(v):.1f} µs"
+    if kind == "frac":
+        v = [100 * r["paths"][what]["frac_copy"] for r in rows]
+        return f"{min(v):.0f}–{max(v):.0f} %"
+    a, _, b = what.partition("/")
+    v = [r["paths"][a]["us"] / r["paths"][b]["us"] for r in rows]
+    digits = 1 if max(v) >= 1.5 else 3
+    return f"{min(v):.{digits}f}–{max(v):.{digits}f}×"
+
+
+@value("ncu")
+def ncu_value(res: Results, kernel: str, field: str) -> str:
+    """One of Nsight Compute's figures for v5, v6 or SDPA at 64 x 4,096: '89 %'."""
+    v = res("kernels_h200.json")["ncu_64x4096"][kernel][field]
+    return f"{v:.0f} %"
+
+
+@value("fold-gain")
+def fold_gain(res: Results) -> str:
+    """The mean throughput of the folded runs over the unfolded ones: '+1.9 %'."""
+    mean = lambda side: sum(res(f"fold_norms/{side}_{i}.json")["results"]["mini-vllm"]["output_tok_s"]
+                            for i in (1, 2)) / 2
+    return f"{100 * (mean('after') / mean('before') - 1):+.1f} %"
 
 
 # ----------------------------------------------------------------------------- command line
