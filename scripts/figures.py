@@ -1252,10 +1252,13 @@ def range_value(res: Results, file: str, table_: str, expr: str, scope: str) -> 
     """The range of a quantity over the rows of a kernels table: `us:PATH` (its time per
     call), `frac:PATH` (its share of the copy bandwidth, '93–103 %') or `ratio:A/B`
     (A's time over B's, '2.7–3.3×'),
-    over the rows of `scope` (bar, 8b16, or a shape such as 64x2048)."""
+    over the rows of `scope` (bar, 8b16, b128 for one batch size, or a shape such as
+    64x2048)."""
     rows = res(file)[table_]
     if scope in SCOPES:
         rows = [r for r in rows if SCOPES[scope](r)]
+    elif re.fullmatch(r"b\d+", scope):  # every context of one batch size, 16 heads
+        rows = [r for r in rows if r["batch"] == int(scope[1:]) and r.get("num_q_heads", 16) == 16]
     else:
         q, b, c = shape_key(scope)
         rows = [r for r in rows if (r.get("num_q_heads", 16), r["batch"], r["context"]) == (q, b, c)]
