@@ -35,7 +35,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Committed results, which the book's figures are generated from; a run writes there
+# only when told to with `--output`.
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# Where a run writes by default: a folder that git ignores.
+RUNS_DIR = REPO_ROOT / "benchmarks" / "runs"
 
 # The offline workload: (lo, hi) ranges of Python's random.randint, inclusive.
 DEFAULT_NUM_REQUESTS = 256

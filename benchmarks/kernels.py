@@ -22,7 +22,7 @@ several such measurements is kept.
 
 Run it from the repository root after ``bash scripts/build_kernels.sh``::
 
-    python benchmarks/kernels.py                      # all tables -> JSON + printed table
+    python benchmarks/kernels.py                      # all tables -> benchmarks/runs/kernels.json
     python benchmarks/kernels.py --tables main --out main.json
     python benchmarks/kernels.py --tables v7 --out v7.json  # version 7 vs 5 vs SDPA, ~3 min
     python benchmarks/kernels.py --tables mixed --out benchmarks/results/kernels_mixed_h200.json
@@ -105,6 +105,10 @@ from mini_vllm import ops
 from mini_vllm.ops.gemv import GEMV_MAX_ROWS, gemm_wgmma
 from mini_vllm.ops.prefill import _gather_paged, flash_wgmma_supported
 from mini_vllm.ops.reference import paged_decode_attention_ref
+
+# Where a run writes by default: a folder that git ignores (the committed runs in
+# benchmarks/results/ were each written with an explicit --out).
+RUNS_DIR = Path(__file__).resolve().parent / "runs"
 
 L2_DEFEAT_BYTES = 512 * 2**20  # rotate inputs until this many bytes are touched per graph
 MAX_ROTATIONS = 32
@@ -1466,8 +1470,9 @@ def main() -> None:
     parser.add_argument("--version", type=int, default=ops.DEFAULT_DECODE_VERSION,
                         choices=ops.DECODE_VERSIONS,
                         help="the kernel version timed as `ours` (default: the engine's)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"),
-                        help="where to write the JSON results")
+    parser.add_argument("--out", type=Path, default=RUNS_DIR / "kernels.json",
+                        help="where to write the JSON results (default: benchmarks/runs/, "
+                             "which git ignores)")
     parser.add_argument("--flex-budget", type=float, default=90.0,
                         help="seconds of FlexAttention compiling and timing before it is skipped")
     parser.add_argument("--profile", metavar="BATCH,CONTEXT,BLOCK",

@@ -33,7 +33,8 @@ On a CPU (a smoke run of the tiny model):
         --num-iters 2 --backends mini-vllm --device cpu
 
 Results: a table on stdout (last) and JSON in `--output`
-(default `benchmarks/results/latency.json`).
+(default `benchmarks/runs/latency.json`, which git ignores; the committed runs in
+`benchmarks/results/` were each written with an explicit `--output`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `mini_vl
 
 from benchmarks.common import (
     DEFAULT_TOKEN_ID_MAX,
-    RESULTS_DIR,
+    RUNS_DIR,
     TEMPERATURE,
     ModelShape,
     dtype_bytes,
@@ -107,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-bytes", type=int, default=None,
                    help="buffer size of the copy-bandwidth measurement (default: 1 GiB on a "
                         "GPU, 256 MiB on the CPU)")
-    p.add_argument("--output", default=str(RESULTS_DIR / "latency.json"))
+    p.add_argument("--output", default=str(RUNS_DIR / "latency.json"),
+                   help="where to write the JSON results (default: benchmarks/runs/, which "
+                        "git ignores)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest prompt plus --output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -42,7 +42,7 @@ On a CPU (a smoke run of the tiny model):
         --input-len-range 8 16 --max-tokens-range 4 8 --request-rates inf
 
 The client uses aiohttp when it is installed, else httpx. Results: a table on stdout
-(last) and JSON in `--output` (default `benchmarks/results/serving.json`).
+(last) and JSON in `--output` (default `benchmarks/runs/serving.json`, which git ignores).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from benchmarks.common import (
     DEFAULT_INPUT_LEN,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_SEED,
-    RESULTS_DIR,
+    RUNS_DIR,
     TEMPERATURE,
     Workload,
     environment,
@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                       help="stream each response (--no-stream: whole responses, timed to "
                            "their end only)")
-    p.add_argument("--output", default=str(RESULTS_DIR / "serving.json"))
+    p.add_argument("--output", default=str(RUNS_DIR / "serving.json"),
+                   help="where to write the JSON results (default: benchmarks/runs/, which "
+                        "git ignores)")
     return p
 
 

@@ -32,7 +32,8 @@ With `--host-layout`, only the runner's host arithmetic of a decode step
 
 The KV cache has `--block-size` tokens per block (default: the engine's, 16).
 
-Results: a table on stdout and JSON in `--output`.
+Results: a table on stdout and JSON in `--output` (default: in `benchmarks/runs/`,
+which git ignores).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (
-    RESULTS_DIR,
+    RUNS_DIR,
     environment,
     format_table,
     measure_copy_bandwidth,
@@ -521,9 +522,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time the runner's host layout of a decode step, block tables as "
                         "int32 arrays and as lists (on the CPU)")
     p.add_argument("--output", default=None,
-                   help="the JSON file (default: benchmarks/results/step_profile.json, "
+                   help="the JSON file (default: benchmarks/runs/step_profile.json, "
                         "step_profile_postprocess.json with --postprocess, "
-                        "step_profile_host_layout.json with --host-layout)")
+                        "step_profile_host_layout.json with --host-layout; git ignores "
+                        "benchmarks/runs/)")
     ns = p.parse_args(argv)
     if ns.postprocess:
         main_postprocess(ns)
@@ -552,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
                 engine = {"error": repr(e)}
     result = {"environment": environment("cuda"), "copy_bandwidth_bytes_per_s": bandwidth,
               "runner": runner, "engine": engine}
-    path = write_json(ns.output or RESULTS_DIR / "step_profile.json", result)
+    path = write_json(ns.output or RUNS_DIR / "step_profile.json", result)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; results in {path}")
     print(f"GPU ms per step by category: {runner['gpu_ms_by_category']}")
     print(format_table(runner["top_kernels"], ["kernel", "ms_per_step"]))
@@ -578,7 +580,7 @@ def main_postprocess(ns: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp))
         result = profile_postprocess(model_dir, load_format, ns, device)
-    path = write_json(ns.output or RESULTS_DIR / "step_profile_postprocess.json",
+    path = write_json(ns.output or RUNS_DIR / "step_profile_postprocess.json",
                       {"environment": environment(device), "postprocess": result})
     print(f"results in {path}")
     print(format_table([result], ["batch", "output_tokens", "per_token_ms_per_step",
@@ -592,7 +594,7 @@ def main_host_layout(ns: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, load_format = prepare_model_dir(ns.model, ns.preset, Path(tmp))
         result = profile_host_layout(model_dir, load_format, ns)
-    path = write_json(ns.output or RESULTS_DIR / "step_profile_host_layout.json",
+    path = write_json(ns.output or RUNS_DIR / "step_profile_host_layout.json",
                       {"environment": environment("cpu"), "host_layout": result})
     print(f"results in {path}")
     print(format_table([result], ["batch", "context", "block_size", "arrays_ms", "lists_ms",

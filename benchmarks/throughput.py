@@ -26,7 +26,8 @@ On a CPU (a smoke run of the tiny model, seconds):
         --input-len-range 16 64 --backends mini-vllm --device cpu
 
 Results: a table on stdout (last) and JSON in `--output`
-(default `benchmarks/results/throughput.json`).
+(default `benchmarks/runs/throughput.json`, which git ignores; the committed runs in
+`benchmarks/results/` were each written with an explicit `--output`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from benchmarks.common import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_SEED,
-    RESULTS_DIR,
+    RUNS_DIR,
     TEMPERATURE,
     ModelShape,
     Workload,
@@ -116,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--breakdown", action="store_true",
                      help="mini-vllm: run the workload once more under torch.profiler and "
                           "record GPU time by kernel category and by kind of step")
-    run.add_argument("--output", default=str(RESULTS_DIR / "throughput.json"),
-                     help="where to write the JSON results")
+    run.add_argument("--output", default=str(RUNS_DIR / "throughput.json"),
+                     help="where to write the JSON results (default: benchmarks/runs/, "
+                          "which git ignores; name a file in benchmarks/results/ to commit "
+                          "a run)")
     eng = p.add_argument_group("engine (mini-vllm, vllm, nano-vllm)")
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)

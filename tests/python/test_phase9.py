@@ -386,3 +386,88 @@ def test_serving_launch_smoke(serving: ModuleType, tiny_model_dir: Path,
     else:  # a whole response has no first token or gaps to time
         assert run["ttft_ms"]["median"] is None and run["itl_ms"]["median"] is None
     assert data["base_url"].startswith("http://127.0.0.1:")
+
+
+# ----------------------------------------------------------------------------- the book's figures
+
+REPO = BENCHMARKS.parent
+
+
+@pytest.fixture(scope="module")
+def figures() -> ModuleType:
+    """`scripts/figures.py`, which writes every measured table of the book from the JSON."""
+    spec = importlib.util.spec_from_file_location("_phase9_figures", REPO / "scripts" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_figure_of_the_book_is_what_its_json_gives(figures: ModuleType) -> None:
+    stale = figures.update(REPO, write=False)
+    assert stale == {}, (
+        f"figures out of date with benchmarks/results/: {stale}; "
+        "run `python scripts/figures.py` to rewrite them")
+
+
+def test_every_defined_figure_is_used_and_every_marker_names_one(figures: ModuleType) -> None:
+    used = figures.used_figures(REPO)
+    assert used <= set(figures.FIGURES), used - set(figures.FIGURES)
+    assert set(figures.FIGURES) <= used, set(figures.FIGURES) - used
+    assert "floor" in used and "readme-headline" in used
+
+
+def test_a_figure_follows_its_json(figures: ModuleType, tmp_path: Path) -> None:
+    """Change a committed result and the generated text changes with it: a value, a
+    table, and the check that reports the stale block."""
+    src = REPO / "benchmarks" / "results" / "throughput.json"
+    data = json.loads(src.read_text())
+    (tmp_path / "throughput.json").write_text(json.dumps(data))
+    assert figures.render("throughput", ["tok_s"], tmp_path) == f"{data['results']['mini-vllm']['output_tok_s']:,.0f}"
+    data["results"]["mini-vllm"]["output_tok_s"] = 31234.4
+    data["floor"]["floor_output_tok_s"] = 40000.0
+    (tmp_path / "throughput.json").write_text(json.dumps(data))
+    assert figures.render("throughput", ["tok_s"], tmp_path) == "31,234"
+    floor = figures.render("floor", [], tmp_path)
+    assert "**40,000 output tok/s**" in floor
+    assert "`benchmarks/results/throughput.json`" in floor  # the block names its source
+    assert "--output benchmarks/results/throughput.json" in floor  # and its command
+    text = "x <!-- figure:throughput tok_s -->28,525<!-- /figure --> y\n"
+    new, changed = figures.fill(text, tmp_path)
+    assert new == "x <!-- figure:throughput tok_s -->31,234<!-- /figure --> y\n"
+    assert changed == ["throughput tok_s"]
+    assert figures.fill(new, tmp_path) == (new, [])  # idempotent
+
+
+def test_bad_markers_and_missing_json_are_clear_errors(figures: ModuleType,
+                                                       tmp_path: Path) -> None:
+    with pytest.raises(figures.FigureError, match="no figure named 'nope'"):
+        figures.fill("a\n<!-- figure:nope -->\n<!-- /figure -->\n", where="x.md")
+    with pytest.raises(figures.FigureError, match=r"x\.md:2: .*throughput\.json does not exist"):
+        figures.fill("a\n<!-- figure:floor -->\n<!-- /figure -->\n", tmp_path, where="x.md")
+    with pytest.raises(figures.FigureError, match="ladder"):
+        figures.render("ladder", ["1", "3x3", "us"])  # no such shape in the JSON
+
+
+def test_figures_check_exits_nonzero_on_a_stale_block(figures: ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "chapters").mkdir()
+    page = tmp_path / "chapters" / "x.md"
+    page.write_text("The floor: <!-- figure:throughput floor_tok_s -->1<!-- /figure -->.\n")
+    (tmp_path / "README.md").write_text("no figures here\n")
+    monkeypatch.setattr(figures, "REPO_ROOT", tmp_path)
+    assert figures.main(["--check"]) == 1
+    assert "1<!--" in page.read_text()  # --check writes nothing
+    assert figures.main([]) == 0
+    assert figures.main(["--check"]) == 0
+    assert "1<!--" not in page.read_text()
+
+
+@pytest.mark.parametrize("script", ["throughput", "latency", "serving"])
+def test_benchmarks_write_to_the_ignored_runs_folder_by_default(script: str) -> None:
+    """A run lands in benchmarks/runs/ (ignored by git); committing it into
+    benchmarks/results/ takes an explicit --output."""
+    module = _load(script)
+    default = Path(module.build_parser().parse_args([]).output)
+    assert default.parent == REPO / "benchmarks" / "runs"
+    assert "/benchmarks/runs/" in (REPO / ".gitignore").read_text().split()
