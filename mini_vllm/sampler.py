@@ -5,6 +5,8 @@ their token histories and random generators) into per-row tensors once per
 step; `Sampler` then runs the whole batch through one fixed pipeline:
 
     logits [N, V] float32
+      -> token constraints   grammar bitmask, allowed_token_ids, bad_words: -inf;
+                             logit_bias added (only the rows that ask for them)
       -> min_tokens mask     EOS and stop tokens at -inf until min_tokens outputs
       -> penalties           repetition (prompt + output), frequency, presence (output)
       -> temperature         logits / T   (greedy rows: T = 1)
@@ -29,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +39,10 @@ import torch
 from mini_vllm import ops
 from mini_vllm.ops.sampling import kernel_fits, splitmix64
 from mini_vllm.sampling_params import GREEDY_EPSILON, OPENAI_DEFAULTS, SamplingParams
+from mini_vllm.structured_output.bitmask import apply_token_bitmask, bitmask_width
+
+if TYPE_CHECKING:
+    from mini_vllm.structured_output.grammar import StructuredOutputGrammar
 
 
 class SamplingRequest(NamedTuple):
@@ -53,6 +59,9 @@ class SamplingRequest(NamedTuple):
             sampler (see `SamplingMetadata.noise_seeds`), drawn once for the
             request's life; a seeded request's key comes from its generator's
             seed. `None` on an unseeded row draws a fresh key at every step.
+        grammar: the request's structured-output matcher, `None` when its
+            output is unconstrained. It must have accepted every token of
+            `output_token_ids` (the step's bitmask row is filled from it).
     """
 
     params: SamplingParams
@@ -60,6 +69,7 @@ class SamplingRequest(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     noise_key: int | None = None
+    grammar: StructuredOutputGrammar | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -160,6 +170,13 @@ class SamplingMetadata:
             row's Philox noise, the counter being the row's number of output
             tokens so far; `None` otherwise (no kernels, or a row filters with
             top-k, top-p or min-p).
+        grammar_bitmask: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of
+            the rows whose grammar constrains this token; `None` if none.
+        allowed_token_ids_mask: (rows [R] int64, [R, V] bool True = allowed)
+            of the rows with `allowed_token_ids`.
+        bad_words_index: (rows, token ids) to set to -inf: the last token of
+            each bad word whose other tokens end the row's output so far.
+        logit_bias: (rows, token ids, values [K] float32) to add.
     """
 
     vocab_size: int
@@ -182,6 +199,16 @@ class SamplingMetadata:
     inv_temperature: torch.Tensor | None = None
     noise_seeds: torch.Tensor | None = None
     keyed: bool = False  # every row has its own noise key (none is drawn per step)
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_token_ids_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Some row has a grammar, allowed_token_ids, bad_words or a logit_bias."""
+        return (self.grammar_bitmask is not None or self.allowed_token_ids_mask is not None
+                or self.bad_words_index is not None or self.logit_bias is not None)
 
     @classmethod
     def build(
@@ -284,6 +311,7 @@ class SamplingMetadata:
                 [0.0 if g else 1.0 / t for g, t in zip(greedy, temps)], torch.float32, device)
             meta.noise_seeds = _to_device(_noise_seeds(reqs), torch.int64, device)
             meta.keyed = all(r.noise_key is not None or r.generator is not None for r in reqs)
+        _build_token_constraints(meta, reqs, device)
         return meta
 
     # --8<-- [start:next_step]
@@ -303,11 +331,82 @@ class SamplingMetadata:
         rows, each of which drew exactly one token with this metadata.
         """
         if (self.noise_seeds is None or not self.keyed or self.min_tokens_index is not None
-                or self.repetition_penalties is not None or self.output_token_counts is not None):
+                or self.repetition_penalties is not None or self.output_token_counts is not None
+                or self.grammar_bitmask is not None or self.bad_words_index is not None):
             return None
         self.noise_seeds.select(1, 1).add_(1)  # in place, without a trip through __setitem__
         return self
     # --8<-- [end:next_step]
+
+
+# --8<-- [start:build_token_constraints]
+def _build_token_constraints(meta: SamplingMetadata, reqs: Sequence[SamplingRequest],
+                             device: torch.device) -> None:
+    """Fill `meta`'s grammar, allowed_token_ids, bad_words and logit_bias fields.
+
+    Each is left `None` when no row uses it. The grammar rows' bitmask is
+    filled on the host, one matcher at a time, and copied to the device once.
+    """
+    vocab_size = meta.vocab_size
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    if rows:
+        bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            if reqs[i].grammar.vocab_size != vocab_size:
+                raise ValueError(f"row {i}: its grammar covers {reqs[i].grammar.vocab_size} "
+                                 f"token ids, the logits {vocab_size}")
+            reqs[i].grammar.fill_bitmask(bitmask, j)
+        meta.grammar_bitmask = (_to_device(rows, torch.int64, device),
+                                _to_device(bitmask, torch.int32, device))
+
+    rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+    if rows:
+        allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            allowed[j, _in_vocab("allowed_token_ids", reqs[i].params.allowed_token_ids,
+                                 vocab_size)] = True
+        meta.allowed_token_ids_mask = (_to_device(rows, torch.int64, device),
+                                       _to_device(allowed, torch.bool, device))
+
+    # A bad word's last token is banned when the output ends with its other
+    # tokens: output [.., 5, 9] and bad word [5, 9, 4] -> ban 4 on this row.
+    rows, cols = [], []
+    for i, r in enumerate(reqs):
+        if not r.params.bad_words:
+            continue
+        if r.params.bad_words_token_ids is None:
+            raise ValueError("bad_words must be encoded before sampling: call "
+                             "SamplingParams.update_from_tokenizer")
+        out = list(r.output_token_ids)
+        banned = {seq[-1] for seq in r.params.bad_words_token_ids
+                  if len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1:] == seq[:-1]}
+        banned = _in_vocab("bad_words_token_ids", sorted(banned), vocab_size)
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        meta.bad_words_index = (_to_device(rows, torch.int64, device),
+                                _to_device(cols, torch.int64, device))
+
+    rows, cols, values = [], [], []
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            ids = _in_vocab("logit_bias", list(r.params.logit_bias), vocab_size)
+            rows += [i] * len(ids)
+            cols += ids
+            values += list(r.params.logit_bias.values())
+    if rows:
+        meta.logit_bias = (_to_device(rows, torch.int64, device),
+                           _to_device(cols, torch.int64, device),
+                           _to_device(values, torch.float32, device))
+
+
+def _in_vocab(name: str, ids: list[int], vocab_size: int) -> list[int]:
+    """`ids`, or a ValueError naming `name` if one is outside [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+# --8<-- [end:build_token_constraints]
 
 
 @dataclass
@@ -361,12 +460,14 @@ class Sampler:
         fused = metadata.noise_seeds is not None and logits.is_cuda
         plain = (metadata.min_tokens_index is None and metadata.max_num_logprobs is None
                  and metadata.repetition_penalties is None
-                 and metadata.output_token_counts is None)
+                 and metadata.output_token_counts is None and not metadata.constrains_tokens)
         if fused and plain:  # the common case: one kernel reads the logits as they are
             return SamplerOutput(ops.sample_tokens(
                 logits, metadata.inv_temperature, metadata.noise_seeds))
 
         logits = logits.float()
+        if metadata.constrains_tokens:
+            logits = self.apply_token_constraints(logits, metadata)
         if metadata.min_tokens_index is not None:
             minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
             logits = logits.index_put(metadata.min_tokens_index, minus_inf)
@@ -383,6 +484,31 @@ class Sampler:
             return SamplerOutput(sampled_token_ids=sampled)
         return self.gather_logprobs(logits, sampled, metadata.max_num_logprobs)
     # --8<-- [end:forward]
+
+    # --8<-- [start:token_constraints]
+    @staticmethod
+    def apply_token_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The grammar, allowed_token_ids and bad_words masks, then logit_bias.
+
+        Each stage touches only the rows that asked for it (an `index_copy` of
+        those rows, or an `index_put` at (row, token) pairs), so every other
+        row is unchanged bit for bit. A masked logit is -inf, and stays -inf
+        whatever bias is added to it.
+        """
+        minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
+        if metadata.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, *metadata.grammar_bitmask)
+        if metadata.allowed_token_ids_mask is not None:
+            rows, allowed = metadata.allowed_token_ids_mask
+            kept = logits.index_select(0, rows).masked_fill(~allowed, -math.inf)
+            logits = logits.index_copy(0, rows, kept)
+        if metadata.bad_words_index is not None:
+            logits = logits.index_put(metadata.bad_words_index, minus_inf)
+        if metadata.logit_bias is not None:
+            rows, cols, values = metadata.logit_bias
+            logits = logits.index_put((rows, cols), values, accumulate=True)
+        return logits
+    # --8<-- [end:token_constraints]
 
     # --8<-- [start:penalties]
     @staticmethod
