@@ -68,6 +68,59 @@ _LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 _CHOICE_LITERAL = json.dumps
 
 
+# Keywords whose value maps names to subschemas, and keywords whose value is data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples", "required")
+
+
+# --8<-- [start:bounded_strings]
+def bounded_strings_as_patterns(schema: object) -> object:
+    """A copy of a JSON schema with `minLength`/`maxLength` strings written as patterns.
+
+    xgrammar compiles a length-bounded string (`{"type": "string", "maxLength": 8}`)
+    to "up to 8 characters other than quote, backslash, CR and LF", which admits raw
+    control characters (a TAB, \\x02), which JSON forbids inside strings
+    (mlc-ai/xgrammar#800). Its `pattern` path encodes characters the JSON way, so
+    the same bound as the pattern `^[\\s\\S]{min,max}$` gives valid JSON. A
+    string that already has a `pattern` or `format` is left as it is.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> subschema
+            out[key] = {name: bounded_strings_as_patterns(v) for name, v in value.items()}
+        elif key in _DATA_KEYWORDS:  # values, not schemas: never rewritten
+            out[key] = value
+        else:
+            out[key] = bounded_strings_as_patterns(value)
+    if (("minLength" in out or "maxLength" in out) and "pattern" not in out
+            and "format" not in out):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+    return out
+
+
+def _schema_text(schema_json: str) -> str:
+    return json.dumps(bounded_strings_as_patterns(json.loads(schema_json)), ensure_ascii=False)
+
+
+def _structural_tag_text(tag_json: str) -> str:
+    """The structural tag with `bounded_strings_as_patterns` applied to its JSON schemas."""
+    def walk(node: object) -> object:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            return {**node, "json_schema": bounded_strings_as_patterns(node["json_schema"])}
+        return {k: walk(v) for k, v in node.items()}
+    return json.dumps(walk(json.loads(tag_json)), ensure_ascii=False)
+# --8<-- [end:bounded_strings]
+
+
 def clean_error(error: Exception) -> str:
     """An xgrammar error message without its timestamp and C++ source location."""
     text = _LOCATION.sub("", str(error)).strip()
@@ -94,7 +147,7 @@ def compile_grammar(compiler: xgr.GrammarCompiler,
         whitespace["max_whitespace_cnt"] = MAX_WHITESPACE_RUN
     try:
         if kind == "json":
-            return compiler.compile_json_schema(params.json, **whitespace)
+            return compiler.compile_json_schema(_schema_text(params.json), **whitespace)
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', **whitespace)
         if kind == "regex":
@@ -103,7 +156,7 @@ def compile_grammar(compiler: xgr.GrammarCompiler,
             return compiler.compile_grammar(choice_grammar(params.choice))
         if kind == "grammar":
             return compiler.compile_grammar(params.grammar)
-        return compiler.compile_structural_tag(params.structural_tag)
+        return compiler.compile_structural_tag(_structural_tag_text(params.structural_tag))
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors are RuntimeErrors
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar",
                 "choice": "choice", "structural_tag": "structural tag"}.get(kind, kind)
@@ -111,4 +164,5 @@ def compile_grammar(compiler: xgr.GrammarCompiler,
 # --8<-- [end:compile]
 
 
-__all__ = ["build_tokenizer_info", "choice_grammar", "clean_error", "compile_grammar"]
+__all__ = ["bounded_strings_as_patterns", "build_tokenizer_info", "choice_grammar",
+           "clean_error", "compile_grammar"]

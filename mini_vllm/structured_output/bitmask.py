@@ -16,6 +16,7 @@ same code runs on CPU and CUDA tensors (bitwise ops and one `index_copy`).
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -32,9 +33,18 @@ def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 # --8<-- [start:unpack]
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """`[R, W]` int32 words -> `[R, V]` bool, True where the id is allowed."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> keeps the sign, & 1 drops it
+    """`[R, W]` int32 words -> `[R, V]` bool, True where the id is allowed.
+
+    Read as bytes, a little-endian word k is bytes 4k..4k+3, byte 4k + b
+    holding the bits of ids 32k + 8b .. 32k + 8b + 7, lowest bit first; so
+    the bytes' bits, in order, are the ids in order (and 8 shifts of a byte
+    tensor move a quarter of the memory 32 shifts of the words would).
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("unpack_bitmask reads int32 words as little-endian bytes")
+    octets = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)
+    bits = (octets.unsqueeze(-1) >> shifts) & 1  # [R, 4W, 8]
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [R, 32W] -> [R, V]
 # --8<-- [end:unpack]
 

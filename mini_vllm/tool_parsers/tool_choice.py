@@ -17,6 +17,7 @@ is why the constraint is an xgrammar structural tag (tags whose content is a
 JSON schema) rather than a bare schema:
 
     required:  one or more calls, separated by "\\n", nothing else
+               (exactly one with parallel_tool_calls=False)
     named:     exactly one call of that function
 """
 
@@ -102,13 +103,19 @@ def tool_call_schema(tools: Any, tool_choice: Any = "required") -> dict[str, Any
 
 
 # --8<-- [start:tool_choice_structured_outputs]
-def tool_choice_structured_outputs(tools: Any, tool_choice: Any
+def tool_choice_structured_outputs(tools: Any, tool_choice: Any,
+                                   parallel_tool_calls: bool = True
                                    ) -> StructuredOutputsParams | None:
     """The structured output that enforces `tool_choice`, or None when nothing is forced.
 
     `"none"` and `"auto"` (and no tool_choice) force nothing; `"required"` and a
     named function give a structural tag whose sentences are exactly the
     Hermes calls `HermesToolParser` parses.
+
+    Args:
+        tools: the request's OpenAI `tools`.
+        tool_choice: the request's `tool_choice`.
+        parallel_tool_calls: OpenAI's switch; False allows one call only.
 
     Raises:
         ValueError: naming `tools` or `tool_choice` (see `tool_call_schema`).
@@ -123,7 +130,8 @@ def tool_choice_structured_outputs(tools: Any, tool_choice: Any
     return StructuredOutputsParams(structural_tag={
         "type": "structural_tag",
         "format": {"type": "tags_with_separator", "tags": [call], "separator": "\n",
-                   "at_least_one": True, "stop_after_first": tool_choice != "required"},
+                   "at_least_one": True,
+                   "stop_after_first": tool_choice != "required" or not parallel_tool_calls},
     })
 # --8<-- [end:tool_choice_structured_outputs]
 
