@@ -5,8 +5,9 @@
     StructuredOutputGrammar   one request's matcher: accept tokens, fill its bitmask row
     apply_token_bitmask       the sampler's stage: masked ids' logits to -inf
 
-The modules that need xgrammar (which takes a second or two to import) are
-loaded on first use, so importing the sampler or `SamplingParams` stays cheap.
+Only `params` is loaded with the package; the rest (torch, and xgrammar, which
+takes a second or two to import) on first use, so `SamplingParams` stays cheap
+to import.
 """
 
 from __future__ import annotations
@@ -14,12 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from mini_vllm.structured_output.bitmask import (
-    allocate_token_bitmask,
-    apply_token_bitmask,
-    bitmask_width,
-    unpack_bitmask,
-)
 from mini_vllm.structured_output.params import (
     MAX_WHITESPACE_RUN,
     StructuredOutputsParams,
@@ -27,6 +22,12 @@ from mini_vllm.structured_output.params import (
 
 if TYPE_CHECKING:
     from mini_vllm.structured_output.backend import build_tokenizer_info
+    from mini_vllm.structured_output.bitmask import (
+        allocate_token_bitmask,
+        apply_token_bitmask,
+        bitmask_width,
+        unpack_bitmask,
+    )
     from mini_vllm.structured_output.grammar import StructuredOutputGrammar
     from mini_vllm.structured_output.manager import (
         GrammarCompileTimeout,
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "allocate_token_bitmask": "mini_vllm.structured_output.bitmask",
+    "apply_token_bitmask": "mini_vllm.structured_output.bitmask",
+    "bitmask_width": "mini_vllm.structured_output.bitmask",
+    "unpack_bitmask": "mini_vllm.structured_output.bitmask",
     "build_tokenizer_info": "mini_vllm.structured_output.backend",
     "StructuredOutputGrammar": "mini_vllm.structured_output.grammar",
     "GrammarCompileTimeout": "mini_vllm.structured_output.manager",
