@@ -61,7 +61,8 @@ class SamplingRequest(NamedTuple):
             seed. `None` on an unseeded row draws a fresh key at every step.
         grammar: the request's structured-output matcher, `None` when its
             output is unconstrained. It must have accepted every token of
-            `output_token_ids` (the step's bitmask row is filled from it).
+            `output_token_ids` (the step's bitmask row is filled from it);
+            once it is terminated it no longer constrains the row.
     """
 
     params: SamplingParams
@@ -377,9 +378,9 @@ def _build_token_constraints(meta: SamplingMetadata, reqs: Sequence[SamplingRequ
         if r.params.bad_words_token_ids is None:
             raise ValueError("bad_words must be encoded before sampling: call "
                              "SamplingParams.update_from_tokenizer")
-        out = list(r.output_token_ids)
-        banned = {seq[-1] for seq in r.params.bad_words_token_ids
-                  if len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1:] == seq[:-1]}
+        out, n = r.output_token_ids, len(r.output_token_ids)
+        banned = {seq[-1] for seq in r.params.bad_words_token_ids  # only the output's tail is read
+                  if len(seq) - 1 <= n and list(out[n - len(seq) + 1:]) == seq[:-1]}
         banned = _in_vocab("bad_words_token_ids", sorted(banned), vocab_size)
         rows += [i] * len(banned)
         cols += banned

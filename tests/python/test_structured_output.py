@@ -538,9 +538,14 @@ def test_bad_words_ban_the_last_token_after_the_rest(tok: Tokenizer) -> None:
 
 def test_grammar_and_bad_words_rebuild_the_next_step(tok: Tokenizer, manager) -> None:
     g = manager.new_grammar(manager.compile(StructuredOutputsParams(regex="[0-9]+")))
-    meta = meta_of([req(SamplingParams(), grammar=g)])
-    meta.noise_seeds, meta.keyed = torch.zeros(1, 2, dtype=torch.int64), True
-    assert meta.next_step() is None  # the bitmask moves with the grammar: rebuild
+    def reusable(row: SamplingRequest) -> bool:
+        meta = meta_of([row])
+        meta.noise_seeds, meta.keyed = torch.zeros(1, 2, dtype=torch.int64), True  # as on a GPU
+        return meta.next_step() is not None
+
+    assert not reusable(req(SamplingParams(), grammar=g))  # the bitmask moves with the grammar
+    assert not reusable(req(SamplingParams(bad_words=["x"]).update_from_tokenizer(tok)))
+    assert reusable(req(SamplingParams(logit_bias={3: 1.0}, allowed_token_ids=[3, 4])))
     with pytest.raises(ValueError, match="grammar covers"):
         other = StructuredOutputManager(tok, VOCAB + 32)
         try:
