@@ -62,11 +62,8 @@ class DeltaMessage:
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
 
     def __bool__(self) -> bool:
+        """False when there is nothing to send."""
         return bool(self.content or self.reasoning or self.tool_calls)
-
-    def __add__(self, other: DeltaMessage) -> DeltaMessage:
-        return DeltaMessage(self.content + other.content, self.reasoning + other.reasoning,
-                            self.tool_calls + other.tool_calls)
 
 
 # --8<-- [start:held_back]
