@@ -1047,6 +1047,21 @@ def block_ids(res: Results) -> str:
     return table(["sequences × context", "tables as lists", "as int32 arrays"], out)
 
 
+@block("postprocess", "python benchmarks/step_profile.py --postprocess --preset tiny --context 16 "
+       "--steps 100 --output benchmarks/results/step_profile_postprocess.json")
+def postprocess(res: Results) -> str:
+    """The engine's host work after the sampler, text token by token and at the end."""
+    p = res("step_profile_postprocess.json")["postprocess"]
+    rows = [
+        ["ms per step, mean over the run", "per_token_ms_per_step", "at_end_ms_per_step"],
+        ["ms, median step", "per_token_median_ms", "at_end_median_ms"],
+        [f"ms, the last step (all {p['batch']} finish)", "per_token_last_step_ms",
+         "at_end_last_step_ms"],
+    ]
+    return table([f"`_process`, {p['batch']} rows", "token by token", "text at the end"],
+                 [[label, f2(p[a]), f2(p[b])] for label, a, b in rows])
+
+
 @block("gc-freeze", "python benchmarks/serving.py --launch --request-rates inf --num-requests 256 "
        "--output benchmarks/results/gc_freeze/h100_serving_after_1.json (before_1, after_1, "
        "before_2 alternated; before: the code without the freeze, with the same serving.py)")
