@@ -111,6 +111,9 @@ class LLMEngine(AsyncScheduling):
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
+        if engine_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: an engine is one replica; serve several "
+                             "with `mini-vllm serve --data-parallel-size N` (on Ray)")
         self.config = engine_config
         self.input_processor = InputProcessor(engine_config)
         self.tokenizer = self.input_processor.tokenizer
