@@ -136,7 +136,7 @@ class RayExecutor(Executor):
             try:
                 ray.get(ref)
                 why = "left its loop"
-            except Exception as e:  # RayActorError when the actor's process died
+            except Exception as e:  # noqa: BLE001 - RayActorError when the actor died, or its error
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             dead.append(f"rank {rank} (Ray actor, {why})")
         return dead
