@@ -297,3 +297,51 @@ def test_data_parallel_replicas_match_one_engine(tiny_model_dir: Path, local_ray
     finally:
         dp.shutdown()
     _assert_released(ray)
+
+
+# ---- on two GPUs: NCCL, the kernels and CUDA graphs (skipped without them) -----------------
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Heads of 128 (the fused layer kernels' shape), 8 query and 2 KV heads."""
+    return make_model(tmp_path_factory.mktemp("tiny-gpu"), preset="tiny", seed=5,
+                      overrides={"hidden_size": 256, "intermediate_size": 768, "head_dim": 128,
+                                 "num_attention_heads": 8, "num_key_value_heads": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp2_on_gpus_with_graphs_matches_tp1(gpu_model_dir: Path, dtype: str) -> None:
+    """TP = 2 over NCCL, CUDA graphs captured with the all-reduces in them (decode and
+    piecewise), against TP = 1 on one GPU: in float32 the same greedy tokens; in
+    bfloat16 (the kernels' path, where a sum in another order may flip a near tie
+    later on) the same first token everywhere, with the same log-probability."""
+    prompts = [p * 3 for p in PROMPTS] + ["a b c d e f g h i j k l m n o p" * 4]
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
+    engine = {"max_model_len": 512, "dtype": dtype, "max_num_seqs": 16,
+              "gpu_memory_utilization": 0.3}
+    one = LLM(str(gpu_model_dir), **engine)
+    want = [o.outputs[0] for o in one.generate(prompts, params, use_tqdm=False)]
+    del one
+    llm = LLM(str(gpu_model_dir), tensor_parallel_size=2, **engine)
+    try:
+        driver = llm.engine.model_runner.driver
+        assert driver.graph_runner is not None  # graphs captured on both ranks
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    if dtype == "float32":
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        return
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids[0] == w.token_ids[0]
+        first = w.token_ids[0]
+        assert g.logprobs[0][first].logprob == pytest.approx(w.logprobs[0][first].logprob,
+                                                             abs=0.05)
