@@ -88,6 +88,9 @@ class Executor:
                                                         self.parallel)
         except BaseException as e:
             dead = self._dead_workers(wait_s=2.0)
+            # No stop message: a worker may be inside a collective of the start-up.
+            # Closing its lifeline (or killing its actor) stops it.
+            self._error = "the engine failed to start"
             self.shutdown()
             if dead:
                 raise WorkerDiedError(self._describe(dead, "while the model loaded")) from e
@@ -127,6 +130,11 @@ class Executor:
                 raise self._died(dead) from e
             raise
     # --8<-- [end:execute]
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """What rank 0's CUDA graphs hold (0 without graphs)."""
+        return getattr(self.driver, "graph_memory_bytes", 0)
 
     def to_host(self, tensors: list[torch.Tensor]) -> HostCopy:
         """Start copying a step's results to the host (rank 0's runner does it)."""
