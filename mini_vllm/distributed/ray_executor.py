@@ -89,6 +89,8 @@ class RayExecutor(Executor):
             return self.engine_config.device
         if self._placeholder is None:  # a replica's actor: Ray gave it its GPU
             return torch.device("cuda", 0)
+        # The GPU Ray reserved for rank 0, by its number on this node: this process
+        # must see the node's GPUs as numbered (no CUDA_VISIBLE_DEVICES of its own).
         ray = import_ray()
         return torch.device("cuda", ray.get(self._placeholder.gpu_ids.remote())[0])
 
@@ -121,7 +123,8 @@ class RayExecutor(Executor):
         self.actors, self._runs = [], []
         for rank in range(1, self.world_size):
             actor = ray.remote(RayWorker).options(**in_bundle(rank - 1 + first)).remote()
-            setup = WorkerSetup(self.engine_config, rank, self.world_size, init_method, 1)
+            setup = WorkerSetup(self.engine_config, rank, self.world_size, init_method, 1,
+                                device=torch.device("cuda", 0) if gpu else None)
             actor.start.remote(setup)  # joins the group; the driver joins meanwhile
             self._runs.append(actor.run.remote())  # queued behind start: the step loop
             self.actors.append(actor)

@@ -53,6 +53,8 @@ class WorkerSetup:
         world_size: the tensor-parallel size.
         init_method: where rank 0 listens (`tcp://host:port`).
         num_threads: torch's intra-op threads for a CPU worker.
+        device: the worker's device; None for `rank_device(engine_config.device, rank)`
+            (a Ray actor sees only the GPU Ray gave it: `cuda:0`).
     """
 
     engine_config: EngineConfig
@@ -60,6 +62,7 @@ class WorkerSetup:
     world_size: int
     init_method: str
     num_threads: int = 1
+    device: torch.device | None = None
 
 
 # --8<-- [start:step]
@@ -105,7 +108,7 @@ class Worker:
 
     def __init__(self, setup: WorkerSetup) -> None:
         config = setup.engine_config
-        device = rank_device(config.device, setup.rank)
+        device = setup.device or rank_device(config.device, setup.rank)
         if device.type == "cpu":
             torch.set_num_threads(setup.num_threads)
         self.parallel = init_parallel_context(setup.rank, setup.world_size,
