@@ -311,6 +311,55 @@ def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
 # --8<-- [end:floor]
 
 
+# --8<-- [start:tp_floor]
+def allreduce_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    """Bytes a tensor-parallel forward all-reduces for `tokens` tokens: `[T, hidden]`
+    after each attention's o_proj and each MLP's down_proj, and once after the
+    vocabulary-parallel embedding."""
+    return (2 * shape.num_layers + 1) * tokens * shape.hidden_size * dtype_bytes
+
+
+def tensor_parallel_floor(floor: dict[str, Any], shape: ModelShape, tp: int, tokens: int,
+                          sampled_rows: int, dtype_bytes: int,
+                          busbw: float) -> dict[str, Any]:
+    """A one-GPU floor (`throughput_floor` or a latency floor) spread over `tp` GPUs.
+
+    Each GPU moves `1 / tp` of the bytes (its shard of the weights, its KV heads'
+    cache) at the same bandwidth, and the ranks exchange the all-reduces' bytes and
+    the logits' all-gather over NCCL. A ring all-reduce of `b` bytes carries
+    `b * 2 (tp - 1) / tp` over each link, an all-gather `b * (tp - 1) / tp`;
+    `busbw` (nccl-tests' bus bandwidth, measured in the same job) is the rate of
+    a link. (With KV heads replicated, `tp` above the KV heads, the cache bytes
+    divide by fewer: this floor is then optimistic.)
+
+    Args:
+        floor: the one-GPU floor (`total_bytes`, `bandwidth_bytes_per_s`, ...).
+        shape: the model.
+        tp: the tensor-parallel size.
+        tokens: tokens that go through the forward (prompt + output).
+        sampled_rows: rows of logits gathered (one per output token).
+        dtype_bytes: bytes per activation value.
+        busbw: measured NCCL bus bandwidth, bytes per second.
+
+    Returns:
+        `floor` with `floor_s` (and `floor_output_tok_s` when present) for `tp`
+        GPUs, the one-GPU values kept as `*_one_gpu`, and the communication terms.
+    """
+    reduce = allreduce_bytes(shape, tokens, dtype_bytes)
+    gather = sampled_rows * shape.vocab_size * dtype_bytes
+    comm_s = (reduce * 2 * (tp - 1) / tp + gather * (tp - 1) / tp) / busbw
+    memory_s = floor["total_bytes"] / tp / floor["bandwidth_bytes_per_s"]
+    out = dict(floor, tensor_parallel_size=tp, allreduce_bytes=reduce, allgather_bytes=gather,
+               nccl_busbw_bytes_per_s=busbw, per_gpu_bytes=floor["total_bytes"] / tp,
+               memory_floor_s=memory_s, communication_floor_s=comm_s,
+               floor_s_one_gpu=floor["floor_s"], floor_s=memory_s + comm_s)
+    if "floor_output_tok_s" in floor:
+        out["floor_output_tok_s_one_gpu"] = floor["floor_output_tok_s"]
+        out["floor_output_tok_s"] = floor["floor_output_tok_s"] * floor["floor_s"] / out["floor_s"]
+    return out
+# --8<-- [end:tp_floor]
+
+
 def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int,
                queued: bool = False) -> list[float]:
     """Seconds per call of `fn`, each call timed on its own (CUDA events on a GPU).

@@ -61,6 +61,7 @@ from benchmarks.common import (
     RUNS_DIR,
     TEMPERATURE,
     ModelShape,
+    allreduce_bytes,
     dtype_bytes,
     environment,
     error_text,
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: the longest prompt plus --output-len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs to split the model over (mini-vllm only); above 1 the NCCL "
+                        "all-reduce is measured first and the floors spread")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=None,
                    help="mini-vllm: prefills of up to this many tokens replay piecewise "
@@ -143,6 +147,7 @@ def mini_vllm_request_fn(model_dir: str, ns: argparse.Namespace) -> tuple[Reques
         "gpu_memory_utilization": ns.gpu_memory_utilization,
         "enforce_eager": ns.enforce_eager, "load_format": ns.load_format,
         "enable_prefix_caching": False,  # each run must compute its prompt
+        "tensor_parallel_size": ns.tensor_parallel_size,
     }
     if ns.max_piecewise_graph_tokens is not None:
         kwargs["max_piecewise_graph_tokens"] = ns.max_piecewise_graph_tokens
@@ -282,6 +287,30 @@ def latency_floors(shape: ModelShape, nbytes: int, prompt_len: int, output_len: 
 # --8<-- [end:latency_floor]
 
 
+def spread_latency_floor(floor: dict[str, Any], shape: ModelShape, tp: int, nbytes: int,
+                         allreduce: dict[str, Any]) -> None:
+    """A batch-1 decode floor over `tp` GPUs, in place: the bytes divide by `tp`, and
+    the step's all-reduces (`2 * layers + 1` of one token's `[1, hidden]`) and the
+    logits' all-gather add their measured time (one token's all-reduce is a few KiB:
+    its latency, not the bus bandwidth, is what it costs). The one-GPU value is
+    kept as `decode_floor_ms_one_gpu`; `decode_floor_bandwidth_ms` counts the
+    communication at the bus bandwidth instead (the throughput floor's rule)."""
+    from benchmarks.allreduce import allreduce_time_s
+
+    one_gpu = floor["decode_floor_ms"]
+    reduce_bytes = allreduce_bytes(shape, 1, nbytes)
+    gather_bytes = shape.vocab_size * nbytes
+    count = 2 * shape.num_layers + 1
+    measured_ms = 1e3 * (count * allreduce_time_s(allreduce, shape.hidden_size * nbytes)
+                         + allreduce_time_s(allreduce, gather_bytes))
+    busbw = allreduce["busbw_bytes_per_s"]
+    bandwidth_ms = 1e3 * (reduce_bytes * 2 * (tp - 1) / tp + gather_bytes * (tp - 1) / tp) / busbw
+    floor.update(tensor_parallel_size=tp, decode_floor_ms_one_gpu=one_gpu,
+                 decode_communication_ms=measured_ms,
+                 decode_floor_bandwidth_ms=one_gpu / tp + bandwidth_ms,
+                 decode_floor_ms=one_gpu / tp + measured_ms)
+
+
 def print_report(report: dict[str, Any]) -> None:
     """Print the measurements and floors, the table last."""
     print(f"\ncopy bandwidth {report['copy_bandwidth']['bandwidth_bytes_per_s'] / 1e12:.3f} "
@@ -340,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"measuring copy bandwidth and matmul rate on {ns.device} ...", flush=True)
         copy = measure_copy_bandwidth(ns.device, ns.copy_bytes)
         matmul = measure_matmul_flops(ns.device, ns.dtype)
+        allreduce = None
+        if ns.tensor_parallel_size > 1 and ns.device.startswith("cuda"):
+            from benchmarks.allreduce import measure_allreduce
+
+            allreduce = measure_allreduce(ns.tensor_parallel_size)
         isolate = ns.isolate if ns.isolate is not None else ns.device.startswith("cuda")
         results: dict[str, Any] = {}
         for backend in ns.backends:
@@ -356,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     floors = {str(n): latency_floors(shape, dtype_bytes(ns.dtype), n, ns.output_len,
                                      copy["bandwidth_bytes_per_s"], matmul["flops_per_s"])
               for n in ns.prompt_lens}
+    if allreduce is not None:
+        for f in floors.values():
+            spread_latency_floor(f, shape, ns.tensor_parallel_size, dtype_bytes(ns.dtype),
+                                 allreduce)
     for r in results.values():
         for length, m in r.get("by_prompt_len", {}).items():
             m["ttft_fraction_of_floor"] = floors[length]["ttft_floor_ms"] / m["ttft_ms"]
@@ -380,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   "weight_bytes": shape.weight_bytes(dtype_bytes(ns.dtype))},
         "copy_bandwidth": copy,
         "matmul": matmul,
+        "allreduce": allreduce,
         "floors": floors,
         "results": results,
         "ratios": ratios,

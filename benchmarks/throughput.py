@@ -70,6 +70,7 @@ from benchmarks.common import (
     resolve_device,
     resolve_dtype_name,
     run_worker,
+    tensor_parallel_floor,
     throughput_floor,
     write_json,
 )
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="mini-vllm: steps with prompts of up to this many tokens replay "
                           "piecewise CUDA graphs (default: the engine's)")
     eng.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    eng.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="GPUs to split the model over (mini-vllm only); above 1 the NCCL "
+                          "all-reduce bandwidth is measured first and the floor spread")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      default=None, help="default: the engine's")
     hf = p.add_argument_group("transformers")
@@ -154,7 +158,8 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
               "max_piecewise_graph_tokens": ns.max_piecewise_graph_tokens,
               "num_gpu_blocks_override": ns.num_gpu_blocks_override,
               "enable_prefix_caching": ns.enable_prefix_caching,
-              "load_format": ns.load_format, "seed": ns.seed}
+              "load_format": ns.load_format, "seed": ns.seed,
+              "tensor_parallel_size": ns.tensor_parallel_size}
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -546,6 +551,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"measuring copy bandwidth and matmul rate on {ns.device} ...", flush=True)
         copy = measure_copy_bandwidth(ns.device, ns.copy_bytes)
         matmul = measure_matmul_flops(ns.device, ns.dtype)
+        allreduce = None
+        if ns.tensor_parallel_size > 1 and ns.device.startswith("cuda"):
+            from benchmarks.allreduce import measure_allreduce
+
+            print(f"measuring NCCL all-reduce over {ns.tensor_parallel_size} GPUs ...",
+                  flush=True)
+            allreduce = measure_allreduce(ns.tensor_parallel_size)
         isolate = ns.isolate if ns.isolate is not None else ns.device.startswith("cuda")
         results: dict[str, dict[str, Any]] = {}
         for backend in ns.backends:
@@ -567,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      else f" ({r.get('error')})"), flush=True)
 
     floor = throughput_floor_for(workload, shape, ns, copy, matmul)
+    if allreduce is not None:
+        floor = tensor_parallel_floor(
+            floor, shape, ns.tensor_parallel_size,
+            workload.num_prompt_tokens + workload.num_output_tokens,
+            workload.num_output_tokens, dtype_bytes(ns.dtype), allreduce["busbw_bytes_per_s"])
     report = {
         "benchmark": "throughput",
         "environment": environment(ns.device),
@@ -578,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      "temperature": TEMPERATURE, "ignore_eos": True},
         "copy_bandwidth": copy,
         "matmul": matmul,
+        "allreduce": allreduce,
         "floor": floor,
         "results": results,
     }

@@ -59,7 +59,7 @@ _ENGINE_ARG_HELP: dict[str, str] = {
                                   "piecewise CUDA graphs (0: they run eagerly; default: "
                                   "the step budget up to 8192 on a GPU of 64 GiB or more, "
                                   "else 512)",
-    "tensor_parallel_size": "GPUs to shard the model over (only 1 is supported)",
+    "tensor_parallel_size": "GPUs to shard the model over (processes on the CPU)",
     "served_model_name": "the model name clients send as `model` (default: --model)",
     "load_format": "auto reads the checkpoint's weights; dummy fills them with random values "
                    "(for benchmarks of a directory without weights)",
@@ -71,6 +71,29 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _CHOICES = {"dtype": _DTYPES, "load_format": ("auto", "dummy")}
 # Engine arguments that only `serve` uses (the other commands drive an `LLMEngine` directly).
 _SERVER_ONLY = ("served_model_name", "engine_process")
+
+# ---- parallelism: the flags of `mini_vllm/distributed/` (Part IV) -------------------
+_ENGINE_ARG_HELP["distributed_executor_backend"] = (
+    "how the tensor-parallel ranks other than the engine's are started: mp (processes "
+    "of this host) or ray (Ray actors in a placement group, which may span nodes)")
+_ENGINE_ARG_HELP["data_parallel_size"] = (
+    "engine replicas (each with its own tensor-parallel group) behind this server, as "
+    "Ray actors; each request goes to the least-loaded one (serve only)")
+_CHOICES["distributed_executor_backend"] = ("mp", "ray")
+_SERVER_ONLY += ("data_parallel_size",)
+
+
+def _load_serving_engine(ns: argparse.Namespace) -> Any:
+    """`serve`'s engine: an `AsyncLLM`, or with `--data-parallel-size N` its replicas."""
+    if getattr(ns, "data_parallel_size", 1) == 1:
+        return _load_engine(ns, AsyncLLM)
+    from mini_vllm.distributed.data_parallel import DataParallelAsyncLLM
+
+    try:
+        return DataParallelAsyncLLM(engine_args_from(ns))
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise UsageError(f"cannot start the engine replicas: {e}") from None
+# ---- end of the parallelism flags ---------------------------------------------------
 
 
 class UsageError(Exception):
@@ -196,7 +219,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # Like vLLM, clients name the model as --model was given; the embedded default
     # model gets a short name instead of its cache path.
     ns.served_model_name = ns.served_model_name or ns.model or DEFAULT_SERVED_NAME
-    engine = _load_engine(ns, AsyncLLM)
+    engine = _load_serving_engine(ns)
     app = build_app(engine)
     config = engine.engine_config
     model_name = app.state.model_name

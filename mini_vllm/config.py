@@ -196,6 +196,52 @@ class SchedulerConfig:
             )
 
 
+# --8<-- [start:parallel_config]
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread: over GPUs (tensor parallel) and over replicas.
+
+    Attributes:
+        tensor_parallel_size: ranks that each hold a share of every weight
+            (one per GPU on a GPU).
+        data_parallel_size: engine replicas, each with its own tensor-parallel
+            group, behind one server (Ray actors).
+        distributed_executor_backend: how the ranks other than the driver are
+            started: `"mp"`, processes on this host; `"ray"`, Ray actors in a
+            placement group (which may span the nodes of a Ray cluster).
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                "distributed_executor_backend must be one of "
+                f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise a `ValueError` naming the field when `model` cannot be split this way."""
+        n = self.tensor_parallel_size
+        for name in ("num_attention_heads", "intermediate_size"):
+            if getattr(model, name) % n:
+                raise ValueError(f"tensor_parallel_size ({n}) must divide the model's "
+                                 f"{name} ({getattr(model, name)})")
+        kv = model.num_key_value_heads
+        if kv % n and n % kv:
+            raise ValueError(f"tensor_parallel_size ({n}) must divide the model's "
+                             f"num_key_value_heads ({kv}) or be a multiple of it")
+# --8<-- [end:parallel_config]
+
+
 # --8<-- [start:piecewise_default]
 # The graphs' memory pool keeps the activations of the largest step captured:
 # graphs up to 8,192 tokens hold 358 MiB more than graphs up to 512 for
@@ -236,6 +282,7 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool = False
     engine_process: bool = False
+    parallel_config: ParallelConfig = ParallelConfig()
 
     @property
     def tokenizer_path(self) -> str:
@@ -265,6 +312,12 @@ class EngineArgs:
     graphs of the largest steps hold is a small share, and 512 on a smaller one
     (see `default_piecewise_graph_tokens`).
     `enforce_eager` turns off every graph.
+    `tensor_parallel_size` splits every weight over that many ranks (GPUs
+    `0 .. N-1` on a GPU, processes on the CPU); `distributed_executor_backend`
+    starts the ranks other than the engine's own as processes (`"mp"`) or as
+    Ray actors (`"ray"`); `data_parallel_size` runs that many engine replicas
+    as Ray actors behind one server (`mini-vllm serve` only). See
+    `ParallelConfig` (Part IV).
     """
 
     model: str | None = None
@@ -284,6 +337,8 @@ class EngineArgs:
     enforce_eager: bool = False
     max_piecewise_graph_tokens: int | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    data_parallel_size: int = 1
     served_model_name: str | None = None
     load_format: str = "auto"
     async_scheduling: bool | None = None
@@ -304,8 +359,8 @@ class EngineArgs:
 
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported")
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
+                                         self.distributed_executor_backend)
         if self.max_piecewise_graph_tokens is not None and self.max_piecewise_graph_tokens < 0:
             raise ValueError("max_piecewise_graph_tokens must be >= 0, "
                              f"got {self.max_piecewise_graph_tokens}")
@@ -314,6 +369,7 @@ class EngineArgs:
                 f"engine_process must be True, False or None, got {self.engine_process!r}")
         model_dir = str(resolve_model_dir(self.model))
         model_config = ModelConfig.from_pretrained(model_dir)
+        parallel_config.check_model(model_config)
 
         if self.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -321,6 +377,11 @@ class EngineArgs:
             device = torch.device(self.device)
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError("device: 'cuda' was asked for but no CUDA GPU is available")
+        tp = parallel_config.tensor_parallel_size
+        if (device.type == "cuda" and tp > 1 and parallel_config.distributed_executor_backend
+                == "mp" and tp > torch.cuda.device_count()):
+            raise ValueError(f"tensor_parallel_size ({tp}) is larger than the "
+                             f"{torch.cuda.device_count()} GPU(s) of this host")
         if self.dtype == "auto":
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         else:
@@ -372,6 +433,7 @@ class EngineArgs:
                               else self.async_scheduling),
             engine_process=(device.type == "cuda" if self.engine_process is None
                             else self.engine_process),
+            parallel_config=parallel_config,
         )
 
 
@@ -380,6 +442,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "SchedulerConfig",
     "default_piecewise_graph_tokens",
     "resolve_dtype",

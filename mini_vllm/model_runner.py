@@ -21,6 +21,8 @@ import torch
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
+from mini_vllm.distributed.parallel_state import ParallelContext
+from mini_vllm.layers.parallel_linear import kv_heads_per_rank
 from mini_vllm.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -107,29 +109,42 @@ class ModelRunner:
     Args:
         engine_config: the checkpoint directory (`model`), `dtype`, `device`,
             and the cache / scheduler limits that size the KV cache.
+        parallel: the tensor-parallel group this runner is one rank of (one
+            rank when None): it holds that rank's share of the weights and a
+            KV cache of that rank's KV heads.
 
     Attributes:
         model: the loaded `Qwen3ForCausalLM`.
         kv_caches: per layer `(k_cache, v_cache)`, each
             `[num_blocks, block_size, num_kv_heads, head_dim]`, views of one tensor.
-        num_blocks: KV blocks in the cache (block 0 is the padding block).
+        num_blocks: KV blocks in the cache (block 0 is the padding block), the
+            same on every rank.
         block_size: tokens per block.
+        num_heads / num_kv_heads: the query and KV heads on this rank.
     """
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig,
+                 parallel: ParallelContext | None = None) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
+        self.parallel = parallel or ParallelContext()
         self.device = torch.device(engine_config.device)
         self.dtype = engine_config.dtype
         self.block_size = engine_config.cache_config.block_size
         self.vocab_size = self.model_config.vocab_size
+        world = self.parallel.world_size
+        self.num_heads = self.model_config.num_attention_heads // world
+        self.num_kv_heads = kv_heads_per_rank(self.model_config.num_key_value_heads, world)
         self.attn_backend = self._attention_backend()
         self.model = load_model(
             engine_config.model, self.model_config, self.dtype, self.device,
             attn_backend=self.attn_backend,
             load_format=engine_config.load_format, seed=engine_config.seed,
+            parallel=self.parallel,
         )
-        self.num_blocks = self._determine_num_blocks()
+        # Every rank holds the same blocks (the scheduler's block ids mean the
+        # same slots everywhere): the fewest that fit any rank's memory.
+        self.num_blocks = self.parallel.min_int(self._determine_num_blocks())
         self.kv_cache = self._allocate_kv_cache()
         self.kv_caches: list[KVCache] = [
             (self.kv_cache[layer, 0], self.kv_cache[layer, 1])
@@ -157,9 +172,9 @@ class ModelRunner:
     # --8<-- [start:num_blocks]
     @property
     def block_bytes(self) -> int:
-        """Bytes one KV block takes across all layers (K and V)."""
+        """Bytes one KV block takes across all layers (K and V), on this rank."""
         cfg = self.model_config
-        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+        per_token = cfg.num_hidden_layers * 2 * self.num_kv_heads * cfg.head_dim
         return per_token * self.block_size * self.dtype.itemsize
 
     def _determine_num_blocks(self) -> int:
@@ -197,7 +212,7 @@ class ModelRunner:
         # layer's K (or V) cache is a contiguous slice of one allocation.
         return torch.zeros(
             cfg.num_hidden_layers, 2, self.num_blocks, self.block_size,
-            cfg.num_key_value_heads, cfg.head_dim,
+            self.num_kv_heads, cfg.head_dim,
             dtype=self.dtype, device=self.device,
         )
 

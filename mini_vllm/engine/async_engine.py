@@ -272,6 +272,8 @@ class AsyncLLM:
             logger.exception("the engine thread died")
             self.dead_error = e
             self._fail_all(EngineDeadError(self._dead_message()))
+        finally:
+            self.engine.shutdown()  # a tensor-parallel engine's workers: none outlives it
 
     def _next_command(self, block: bool) -> _Add | _Abort | _Shutdown | None:
         try:

@@ -130,6 +130,8 @@ def _serve(engine_cls: type[LLMEngine], engine_config: EngineConfig,
         except OSError:
             pass
         return 1
+    finally:
+        engine.shutdown()  # a tensor-parallel engine's workers stop with it
     return 0
 
 

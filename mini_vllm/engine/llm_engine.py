@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.distributed.executor import Executor, WorkerDiedError
 from mini_vllm.engine.async_scheduling import AsyncScheduling
 from mini_vllm.engine.input_processor import InputProcessor, ProcessedRequest
 from mini_vllm.kv_cache import KVCacheManager
@@ -110,6 +111,9 @@ class LLMEngine(AsyncScheduling):
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
+        if engine_config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: an engine is one replica; serve several "
+                             "with `mini-vllm serve --data-parallel-size N` (on Ray)")
         self.config = engine_config
         self.input_processor = InputProcessor(engine_config)
         self.tokenizer = self.input_processor.tokenizer
@@ -260,6 +264,8 @@ class LLMEngine(AsyncScheduling):
                 return _Step([], self.model_runner.to_host([]), {}, None, False, decode_only)
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
+        except WorkerDiedError:
+            raise  # not this step's fault: the engine itself cannot go on
         except Exception as e:  # fail these requests, keep the engine alive
             logger.exception("engine step failed")
             self._last_sampling = None
@@ -460,6 +466,13 @@ class LLMEngine(AsyncScheduling):
         return outputs
     # --8<-- [end:fail]
 
+    def shutdown(self) -> None:
+        """Release what the engine started: a tensor-parallel engine's workers (no-op
+        otherwise). The engine cannot step afterwards."""
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def get_stats(self) -> dict:
         """Scheduler and KV-cache statistics plus token counters, JSON-friendly."""
         stats = dict(vars(self.scheduler.get_stats()))
@@ -503,8 +516,14 @@ class _Step:
 # --8<-- [end:launched_step]
 
 
-def make_model_runner(engine_config: EngineConfig) -> ModelRunner:
-    """The reference runner, or on a GPU the runner of its fast path (chapter 9)."""
+def make_model_runner(engine_config: EngineConfig) -> ModelRunner | Executor:
+    """The reference runner, or on a GPU the runner of its fast path (chapter 9);
+    with `tensor_parallel_size > 1`, an executor that runs either on every rank
+    (Part IV)."""
+    if engine_config.parallel_config.tensor_parallel_size > 1:
+        from mini_vllm.distributed.executor import make_executor
+
+        return make_executor(engine_config)
     if engine_config.device.type == "cuda":
         from mini_vllm.gpu.model_runner import GPUModelRunner
 

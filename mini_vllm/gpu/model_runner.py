@@ -25,6 +25,7 @@ import torch
 
 from mini_vllm.attention import AttentionMetadata, KVCache
 from mini_vllm.config import EngineConfig
+from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.gpu.attention import (
     CudaAttentionBackend,
     CudaAttentionMetadata,
@@ -166,8 +167,9 @@ class GPUModelRunner(ModelRunner):
         step_stream: the stream the last step was launched on.
     """
 
-    def __init__(self, engine_config: EngineConfig) -> None:
-        super().__init__(engine_config)
+    def __init__(self, engine_config: EngineConfig,
+                 parallel: ParallelContext | None = None) -> None:
+        super().__init__(engine_config, parallel)
         self.forward = prepare_forward(self.model, self.device, self.dtype)
         self.staging = StagingBuffer(self.device)
         self.step_start: torch.cuda.Event | None = None
@@ -182,7 +184,7 @@ class GPUModelRunner(ModelRunner):
     def _attention_backend(self) -> CudaAttentionBackend | None:
         cfg = self.model_config
         return select_attention_backend(self.device, self.dtype, cfg.head_dim,
-                                        cfg.num_attention_heads // cfg.num_key_value_heads)
+                                        self.num_heads // self.num_kv_heads)
 
     def _kv_budget_bytes(self) -> int:
         """What is left of `total * gpu_memory_utilization` once the loaded weights
@@ -194,15 +196,17 @@ class GPUModelRunner(ModelRunner):
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free  # our weights, the CUDA context, other processes
         # Largest step: every batched token's widest activations at once, plus
-        # float32 logits for every sequence (an estimate, not a profile).
-        widest = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (
-            cfg.num_attention_heads + 2 * cfg.num_key_value_heads
+        # float32 logits for every sequence (an estimate, not a profile; the
+        # logits are whole on every rank, gathered).
+        world = self.parallel.world_size
+        widest = 4 * cfg.hidden_size + 3 * cfg.intermediate_size // world + (
+            self.num_heads + 2 * self.num_kv_heads
         ) * cfg.head_dim
         activations = sched_cfg.max_num_batched_tokens * widest * self.dtype.itemsize
         logits = 2 * sched_cfg.max_num_seqs * cfg.vocab_size * 4
         # The piecewise graphs' QKV buffer, which attention reads between two
         # pieces (one for every layer and size: PiecewiseGraphRunner).
-        qkv_width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * cfg.head_dim
         pieces = 0 if self.engine_config.enforce_eager else (
             max(self._piecewise_sizes(), default=0) * qkv_width * self.dtype.itemsize)
         budget = int(total * self.engine_config.cache_config.gpu_memory_utilization)
@@ -256,8 +260,8 @@ class GPUModelRunner(ModelRunner):
         if sizes:
             flash = self.attn_backend.prefill_impl in CAPTURABLE_PREFILL_BACKENDS
             self.piecewise_runner = PiecewiseGraphRunner(
-                self.forward, self.kv_caches, sizes, cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                self.forward, self.kv_caches, sizes, self.num_heads,
+                self.num_kv_heads, cfg.head_dim, self.dtype, self.device,
                 max_prompt_tokens=MAX_PROMPT_GRAPH_TOKENS if flash else 0)
             self.piecewise_runner.capture(pool)
         max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -278,7 +282,7 @@ class GPUModelRunner(ModelRunner):
             return None  # the torch decode has no grid to size
         cfg = self.model_config
         size, splits = decode_grid(
-            num_seqs, cfg.num_attention_heads, cfg.num_key_value_heads, bound,
+            num_seqs, self.num_heads, self.num_kv_heads, bound,
             num_sms(self.device), default_decode_version(cfg.head_dim, self.block_size))
         return (size, splits) if splits > 1 else (0, 1)  # one split: the size is moot
 

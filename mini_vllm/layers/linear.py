@@ -80,20 +80,23 @@ class Linear(CustomOp):
 
     def forward_fast(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W.T (+ b)`, into `out` (`[rows, sum(output_sizes)]`, contiguous) when given."""
+        if out is None and self._kernel(x) is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self._product(x, out)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _product(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W.T` (no bias) on the fastest product, into `out` when given."""
         kernel = self._kernel(x)
         if out is None:
-            if kernel is None:
-                return F.linear(x, self.weight, self.bias)
-            y = kernel(x, self.weight)
-        else:
-            want = (x.shape[0], self.weight.shape[0])
-            if out.shape != want:
-                raise ValueError(f"out: shape {tuple(out.shape)}, the product is {want}")
-            if not out.is_contiguous():
-                raise ValueError("out: must be contiguous (the product writes it row by row)")
-            y = kernel(x, self.weight, out=out) if kernel else torch.matmul(
-                x, self.weight.t(), out=out)
-        return y if self.bias is None else y.add_(self.bias)
+            return kernel(x, self.weight) if kernel else torch.matmul(x, self.weight.t())
+        want = (x.shape[0], self.weight.shape[0])
+        if out.shape != want:
+            raise ValueError(f"out: shape {tuple(out.shape)}, the product is {want}")
+        if not out.is_contiguous():
+            raise ValueError("out: must be contiguous (the product writes it row by row)")
+        return kernel(x, self.weight, out=out) if kernel else torch.matmul(
+            x, self.weight.t(), out=out)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`out += x @ W.T` in place, the sum rounded once: a sub-layer's output
@@ -118,5 +121,34 @@ class Linear(CustomOp):
         return kernel(x, self.weight, silu_eps=eps) if kernel else None
     # --8<-- [end:linear_fast]
 
+    # --8<-- [start:weight_loader]
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | None = None) -> None:
+        """Copy a checkpoint tensor into `param` (this layer's weight or bias).
 
-__all__ = ["Linear"]
+        Args:
+            param: `self.weight` or `self.bias`.
+            loaded: the checkpoint's tensor.
+            shard_id: which stacked projection it is (its index in
+                `output_sizes`), or None for the whole parameter.
+
+        Raises:
+            ValueError: `loaded` has the wrong shape (the message gives both).
+        """
+        if shard_id is None:
+            copy_checked(param.data, loaded)
+            return
+        start = sum(self.output_sizes[:shard_id])
+        copy_checked(param.data.narrow(0, start, self.output_sizes[shard_id]), loaded)
+    # --8<-- [end:weight_loader]
+
+
+def copy_checked(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target.copy_(source)` (converting dtype and device) after checking the shapes."""
+    if tuple(source.shape) != tuple(target.shape):
+        raise ValueError(f"has shape {tuple(source.shape)}, the model expects "
+                         f"{tuple(target.shape)}")
+    target.copy_(source)
+
+
+__all__ = ["Linear", "copy_checked"]

@@ -2,7 +2,9 @@
 
 A checkpoint is one `model.safetensors` or several shards listed by
 `model.safetensors.index.json`. Every checkpoint tensor is copied into
-exactly one slice of one model parameter, converting dtype on the way:
+exactly one slice of one model parameter, converting dtype on the way, by
+the block that owns the parameter (its `weight_loader`): under tensor
+parallelism a block takes only its rank's rows or columns of the tensor.
 
     model.layers.0.self_attn.q_proj.weight ─┐
     model.layers.0.self_attn.k_proj.weight ─┼─> rows of model.layers.0.self_attn.qkv_proj.weight
@@ -27,7 +29,9 @@ from torch import nn
 
 from mini_vllm.attention import AttentionBackend
 from mini_vllm.config import ModelConfig
+from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.layers import select_implementations
+from mini_vllm.layers.linear import copy_checked
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,36 +74,54 @@ def find_safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 # --8<-- [start:targets]
-def checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Map each checkpoint tensor name to the tensor it must be copied into.
+# Where one checkpoint tensor goes: the module that owns the parameter, the
+# parameter, and which of the module's stacked projections it is (or None).
+WeightTarget = tuple[nn.Module, nn.Parameter, int | None]
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:
+    """Map each checkpoint tensor name to the parameter it must be copied into.
 
     For a fused module listed in the model's `packed_modules_mapping`, each
-    checkpoint tensor gets a row slice (a view) of the fused weight, in the
-    order of the fused module's `output_sizes`:
+    checkpoint tensor is one stacked projection of the fused weight (its
+    `shard_id`), whose rows the module's `weight_loader` knows:
 
         qkv_proj.weight  [q_size + 2 * kv_size, hidden]
-          rows [0, q_size)                   <- q_proj.weight
-          rows [q_size, q_size + kv_size)    <- k_proj.weight
-          rows [q_size + kv_size, end)       <- v_proj.weight
+          rows [0, q_size)                   <- q_proj.weight  (shard 0)
+          rows [q_size, q_size + kv_size)    <- k_proj.weight  (shard 1)
+          rows [q_size + kv_size, end)       <- v_proj.weight  (shard 2)
 
     A tied `lm_head.weight` is the embedding's parameter and is listed once
     (as `model.embed_tokens.weight`), so a tied checkpoint needs no lm_head.
     """
     packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
-    targets: dict[str, torch.Tensor] = {}
+    targets: dict[str, WeightTarget] = {}
     for name, param in model.named_parameters():  # shared parameters appear once
         module_name, _, leaf = name.rpartition(".")
         parent, _, short = module_name.rpartition(".")
+        module = modules[module_name]
         if short not in packed:
-            targets[name] = param.data
+            targets[name] = (module, param, None)
             continue
-        output_sizes: list[int] = modules[module_name].output_sizes
-        offset = 0
-        for shard, size in zip(packed[short], output_sizes, strict=True):
-            targets[f"{parent}.{shard}.{leaf}"] = param.data.narrow(0, offset, size)
-            offset += size
+        for shard_id, shard in enumerate(packed[short]):
+            targets[f"{parent}.{shard}.{leaf}"] = (module, param, shard_id)
     return targets
+
+
+def load_tensor(target: WeightTarget, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into its target: through the module's `weight_loader` (which
+    takes this rank's share of it), else whole.
+
+    Raises:
+        ValueError: the shapes do not match (the message gives both).
+    """
+    module, param, shard_id = target
+    loader = getattr(module, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id)
+    else:
+        copy_checked(param.data, tensor)
 # --8<-- [end:targets]
 
 
@@ -145,12 +167,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             continue
         if name in loaded:
             raise ValueError(f"checkpoint {model_dir}: tensor {name} appears twice ({file.name})")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"checkpoint {model_dir}: tensor {name} in {file.name} has shape "
-                f"{tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor)  # converts dtype and moves to the model's device
+        try:
+            load_tensor(target, tensor)  # converts dtype and moves to the model's device
+        except ValueError as e:  # "has shape (a, b), the model expects (c, d)"
+            raise ValueError(f"checkpoint {model_dir}: tensor {name} in {file.name} {e}") from None
         loaded.add(name)
     if unexpected:
         raise ValueError(
@@ -191,6 +211,7 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    parallel: ParallelContext | None = None,
 ) -> Qwen3ForCausalLM:
     """Build a `Qwen3ForCausalLM` on `device` in `dtype` and load its weights.
 
@@ -203,6 +224,8 @@ def load_model(
         load_format: `"auto"` reads the safetensors; `"dummy"` fills random
             weights (only `config.json` is needed).
         seed: the dummy weights' seed.
+        parallel: the tensor-parallel group: each rank builds and loads its
+            share of every weight (one rank when None).
 
     Returns:
         The model in eval mode, each block on its fast implementation where
@@ -219,7 +242,8 @@ def load_model(
         model_config = ModelConfig.from_pretrained(model_dir)
     # Weights are allocated empty, directly on the device and in the target
     # dtype: no random init, no float32 copy of a bfloat16 model.
-    model = Qwen3ForCausalLM(model_config, attn_backend, device=device, dtype=dtype)
+    model = Qwen3ForCausalLM(model_config, attn_backend, device=device, dtype=dtype,
+                             parallel=parallel)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -230,9 +254,11 @@ def load_model(
 
 
 __all__ = [
+    "WeightTarget",
     "checkpoint_targets",
     "find_safetensors_files",
     "init_dummy_weights",
     "load_model",
+    "load_tensor",
     "load_weights",
 ]

@@ -6,7 +6,9 @@ sequence each token belongs to, and what it may attend to, is carried by
 the same forward serves a prefill, a decode step or any mix of them.
 
 The model only composes blocks of `mini_vllm.layers`; how each block runs
-(plain PyTorch, or a CUDA kernel) is the block's business.
+(plain PyTorch, or a CUDA kernel) is the block's business, and so is how it
+is split over the ranks of a tensor-parallel group (`parallel`): the model
+passes the group to its blocks and keeps each rank's head counts.
 
 Module and parameter names follow Hugging Face's `Qwen3ForCausalLM`, except
 that the q/k/v projections are fused into `qkv_proj` and gate/up into
@@ -25,14 +27,17 @@ from torch import nn
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
 from mini_vllm.config import ModelConfig
+from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.layers import (
     Attention,
-    Linear,
-    LMHead,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
-    VocabEmbedding,
+    VocabParallelEmbedding,
 )
 
 
@@ -40,13 +45,15 @@ from mini_vllm.layers import (
 class Qwen3Attention(nn.Module):
     """Grouped-query attention with per-head RMSNorm on q and k.
 
-    Data flow for `T` tokens (`Hq` query heads, `Hkv` KV heads, head size `D`):
+    Data flow for `T` tokens (`Hq` query heads, `Hkv` KV heads, head size `D`,
+    each the count on this rank: the model's divided by the tensor-parallel
+    size, the KV heads replicated when there are fewer than ranks):
 
         x [T, hidden] -> qkv_proj -> [T, (Hq + 2*Hkv) * D] -> split q | k | v
         q [T, Hq, D]  -> q_norm -> RoPE --+
         k [T, Hkv, D] -> k_norm -> RoPE --+--> Attention: write k, v to the cache,
         v [T, Hkv, D] --------------------+    attend over it -> [T, Hq, D]
-        [T, Hq * D] -> o_proj -> [T, hidden]
+        [T, Hq * D] -> o_proj -> [T, hidden]  (summed over the ranks)
     """
 
     def __init__(
@@ -56,16 +63,20 @@ class Qwen3Attention(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, parallel=parallel, device=device, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads  # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               device=device, dtype=dtype)
-        self.o_proj = Linear(self.q_size, [config.hidden_size], device=device, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, parallel=parallel, device=device,
+                                        dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, device, dtype)
         self.rotary_emb = rotary_emb  # one table, shared by every layer
@@ -101,16 +112,19 @@ class Qwen3MLP(nn.Module):
         config: ModelConfig,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], device=device,
-                                   dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], parallel=parallel, device=device, dtype=dtype)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(inter, [config.hidden_size], device=device, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, parallel=parallel,
+                                           device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # gate_up: [T, 2 * inter]
+        # gate_up: [T, 2 * inter / N] on each of N ranks; down_proj sums the ranks'.
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 # --8<-- [end:mlp]
 
 
@@ -134,10 +148,11 @@ class Qwen3DecoderLayer(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, rotary_emb, backend, device, dtype)
-        self.mlp = Qwen3MLP(config, device, dtype)
+        self.self_attn = Qwen3Attention(config, rotary_emb, backend, device, dtype, parallel)
+        self.mlp = Qwen3MLP(config, device, dtype, parallel)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device, dtype)
@@ -171,13 +186,15 @@ class Qwen3Model(nn.Module):
         backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, device, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   parallel, device, dtype)
         rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                      config.rope_theta, device)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, rotary_emb, backend, device, dtype)
+            Qwen3DecoderLayer(config, rotary_emb, backend, device, dtype, parallel)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
@@ -209,6 +226,8 @@ class Qwen3ForCausalLM(nn.Module):
             reference when None).
         device: where to allocate the weights (uninitialised until loaded).
         dtype: the weights' dtype.
+        parallel: the tensor-parallel group this rank belongs to (one rank
+            when None): each block holds this rank's share of its weights.
     """
 
     # --8<-- [start:packed]
@@ -225,13 +244,15 @@ class Qwen3ForCausalLM(nn.Module):
         attn_backend: AttentionBackend | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, attn_backend, device, dtype)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size,
-                              self.model.embed_tokens if config.tie_word_embeddings else None,
-                              device, dtype)
+        self.model = Qwen3Model(config, attn_backend, device, dtype, parallel)
+        self.lm_head = ParallelLMHead(
+            config.hidden_size, config.vocab_size,
+            self.model.embed_tokens if config.tie_word_embeddings else None,
+            parallel, device, dtype)
 
     def forward(
         self,

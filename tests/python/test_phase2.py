@@ -123,7 +123,9 @@ def test_blocks_run_their_reference_on_the_cpu(tiny_model_dir: Path) -> None:
     fast implementation can run is switched to it, and `forward` then calls it."""
     model = load_model(tiny_model_dir)
     blocks = [m for m in model.modules() if isinstance(m, CustomOp)]
-    assert {type(b).__name__ for b in blocks} == {"Linear", "LMHead", "RMSNorm", "SiluAndMul"}
+    assert {type(b).__name__ for b in blocks} == {
+        "QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
+        "ParallelLMHead", "RMSNorm", "SiluAndMul"}  # Linears, all, at one rank
     assert not any(b.use_fast for b in blocks)
     assert select_implementations(model, "cpu", torch.float32) == Counter()
 
