@@ -151,9 +151,12 @@ class Admission:
     Args:
         max_num_seqs: the engine's running batch (`SchedulerConfig.max_num_seqs`).
         max_queued_seqs: sequences held beyond the running batch.
+        unit_seqs: the most sequences of one unit (one engine request).
     """
 
-    def __init__(self, max_num_seqs: int, max_queued_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, max_queued_seqs: int,
+                 unit_seqs: int = UNIT_SEQS) -> None:
+        self.unit_seqs = unit_seqs
         self.max_in_flight = max_num_seqs + max_queued_seqs
         self.in_flight = 0
         self.bulk = FairGate(max(UNIT_SEQS, int(max_num_seqs * BULK_SHARE)))

@@ -98,11 +98,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    if errors[0].get("type") == "json_invalid":
+        first = errors[0]
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}", None
+    # A union (`stop`: a string or a list) reports one error per member: the one
+    # that got furthest into the value says what is wrong.
+    first = max(errors, key=lambda e: len(_location(tuple(e.get("loc", ())))))
     loc = _location(tuple(first.get("loc", ())))
-    # A union (e.g. `stop`) reports one error per member: name only the field.
     field = str(loc[0]) if loc and isinstance(loc[0], str) else None
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -150,10 +152,15 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event of a stream: `data:` holds a chunk's JSON, the last one `[DONE]`.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}},
+              "required": ["data"]}
+
+
 def _streaming_ok(model: type) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model, "description": "The response, or with `stream` a stream "
                   "of server-sent events (`data: <chunk>` ... `data: [DONE]`)",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 # --8<-- [start:openapi]
@@ -257,8 +264,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None,
     async def show_models() -> Response:
         return JSONResponse(models.model_list().model_dump())
 
-    @app.get("/health", responses={200: {"description": "The engine is running"},
-                                   503: {"description": "The engine is dead or shutting down"}})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is running (no body)"},
+                        503: {"description": "The engine is dead or shutting down (no body)"}})
     async def health() -> Response:
         alive = engine.is_running and not engine.errored and not shutdown.is_set()
         return Response(status_code=200 if alive else 503)
@@ -271,8 +279,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None,
     async def stats() -> dict[str, Any]:
         return engine.get_stats()
 
-    @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE_LATEST: {}},
-                                          "description": "Prometheus text format"}})
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def show_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

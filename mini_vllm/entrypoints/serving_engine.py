@@ -356,8 +356,8 @@ class OpenAIServing:
                 server is shutting down.
             ClientDisconnected: when the client left while waiting.
         """
-        merged = self._merge(prompts, split_units(len(prompts), params.n), params, request_id,
-                             raw_request, ticket)
+        units = split_units(len(prompts), params.n, self.admission.unit_seqs)
+        merged = self._merge(prompts, units, params, request_id, raw_request, ticket)
         first: list[tuple[Unit, RequestOutput]] = []
         # An exception out of `anext` has already ended `merged` (and run its
         # `finally`, which cancels the other units).
@@ -432,10 +432,12 @@ class OpenAIServing:
         finally:
             # Cancelling a pump cancels its `engine.generate`, which aborts the
             # engine request (or its wait at the gate). Finished pumps ignore it.
+            # Nothing here may come after an await: when a stream's client has
+            # left, the server cancels this task again at every await.
+            ticket.release()
             for task in tasks + watchers:
                 task.cancel()
             await asyncio.gather(*tasks, *watchers, return_exceptions=True)
-            ticket.release()
     # --8<-- [end:generate]
 
 
