@@ -1,15 +1,16 @@
 """Admission: how much work the server takes in, and in what order it reaches the engine.
 
 One API request asks for `prompts x n` sequences. The server splits them into
-*units* of at most `UNIT_SEQS` sequences (one engine request each: a prompt
-and some of its `n` choices) and ranks them inside the request: unit 0, 1, 2 ...
+*units*, each one engine request (a prompt and some of its `n` choices), and
+ranks them inside the request: unit 0, 1, 2 ... Unit 0 is the request's first
+sequence alone; the others hold up to `UNIT_SEQS` choices of one prompt.
 
 ```
-request A: 1 prompt, n = 40    units  A0 (16)  A1 (16)  A2 (8)
-request B: 3 prompts, n = 1    units  B0 (1)   B1 (1)   B2 (1)
+request A: 1 prompt, n = 40    units  A0 (1)  A1 (16)  A2 (16)  A3 (7)
+request B: 3 prompts, n = 1    units  B0 (1)  B1 (1)   B2 (1)
 request C: 1 prompt,  n = 1    units  C0 (1)
 
-engine priority = rank:   A0 B0 C0 -> 0      A1 B1 -> 1      A2 B2 -> 2
+engine priority = rank:   A0 B0 C0 -> 0     A1 B1 -> 1     A2 B2 -> 2     A3 -> 3
 ```
 
 Unit 0 of every request goes to the engine at once, at priority 0. The other
@@ -67,11 +68,15 @@ class Unit:
 
 
 def split_units(num_prompts: int, n: int, unit_seqs: int = UNIT_SEQS) -> list[Unit]:
-    """The units of a request of `num_prompts` prompts with `n` choices each, prompt-major."""
-    units = []
+    """The units of a request of `num_prompts` prompts with `n` choices each, prompt-major:
+    the first sequence alone (what goes in at once), then up to `unit_seqs` at a time."""
+    units = [Unit(0, 0, 1, 0)]
     for prompt_index in range(num_prompts):
-        for first in range(0, n, unit_seqs):
-            units.append(Unit(prompt_index, first, min(unit_seqs, n - first), len(units)))
+        first = 1 if prompt_index == 0 else 0
+        while first < n:
+            size = min(unit_seqs, n - first)
+            units.append(Unit(prompt_index, first, size, len(units)))
+            first += size
     return units
 
 
@@ -156,10 +161,11 @@ class Admission:
 
     def __init__(self, max_num_seqs: int, max_queued_seqs: int,
                  unit_seqs: int = UNIT_SEQS) -> None:
-        self.unit_seqs = unit_seqs
         self.max_in_flight = max_num_seqs + max_queued_seqs
         self.in_flight = 0
-        self.bulk = FairGate(max(UNIT_SEQS, int(max_num_seqs * BULK_SHARE)))
+        capacity = max(1, int(max_num_seqs * BULK_SHARE))
+        self.bulk = FairGate(capacity)
+        self.unit_seqs = min(unit_seqs, capacity)  # a unit never fills more than the bulk's share
 
     # --8<-- [start:admit]
     def admit(self, seqs: int) -> Ticket:

@@ -380,7 +380,7 @@ class OpenAIServing:
         queue: asyncio.Queue[tuple[Unit | None, Any]] = asyncio.Queue()
         gate = self.admission.bulk
 
-        async def pump(unit: Unit) -> None:
+        async def pump(index: int, unit: Unit) -> None:
             unit_params = params.replace(
                 n=unit.n, seed=None if params.seed is None else params.seed + unit.first_choice)
             if unit.rank:  # the bulk of a big request takes turns with other requests' bulk
@@ -389,7 +389,7 @@ class OpenAIServing:
                 unit.n, params.output_kind == RequestOutputKind.FINAL_ONLY)
             try:
                 async for output in self.engine.generate(
-                        prompts[unit.prompt_index], unit_params, f"{request_id}-{unit.rank}",
+                        prompts[unit.prompt_index], unit_params, f"{request_id}-{index}",
                         priority=unit.rank):
                     timer.observe(output)
                     if unit.first_choice:
@@ -417,7 +417,7 @@ class OpenAIServing:
             await self.shutdown.wait()
             queue.put_nowait((None, ServerShuttingDown()))
 
-        tasks = [asyncio.create_task(pump(unit)) for unit in units]
+        tasks = [asyncio.create_task(pump(i, unit)) for i, unit in enumerate(units)]
         watchers = [asyncio.create_task(watch_disconnect()), asyncio.create_task(watch_shutdown())]
         try:
             running = len(tasks)

@@ -40,7 +40,7 @@ from mini_vllm import cli
 from mini_vllm.cli import build_parser, frontend_args_from, main
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM
-from mini_vllm.entrypoints.admission import UNIT_SEQS, Admission, FairGate, split_units
+from mini_vllm.entrypoints.admission import Admission, FairGate, split_units
 from mini_vllm.entrypoints.args import FrontendArgs
 from mini_vllm.entrypoints.connections import RateLimitedLog, rate_limited_exception_handler
 from mini_vllm.entrypoints.openai_server import build_app, make_server
@@ -240,10 +240,12 @@ def test_a_seed_that_overflows_with_n_is_a_400(server: Server) -> None:
 
 
 def test_choices_of_a_large_n_are_split_but_numbered_and_seeded_as_one(server: Server) -> None:
-    """n = 8 runs as one unit, then as units of at most 3: the same choices either way."""
+    """n = 8 runs as units of 1 + 7 and 8, then of at most 3: the same choices either way."""
     units = split_units(2, 8, unit_seqs=3)
     assert [(u.prompt_index, u.first_choice, u.n, u.rank) for u in units] == [
-        (0, 0, 3, 0), (0, 3, 3, 1), (0, 6, 2, 2), (1, 0, 3, 3), (1, 3, 3, 4), (1, 6, 2, 5)]
+        (0, 0, 1, 0), (0, 1, 3, 1), (0, 4, 3, 2), (0, 7, 1, 3), (1, 0, 3, 4), (1, 3, 3, 5),
+        (1, 6, 2, 6)]
+    assert [(u.first_choice, u.n) for u in split_units(1, 1)] == [(0, 1)]
     body = {"prompt": ["Hello", "Once upon"], "n": 8, "seed": 11, "max_tokens": 5,
             "temperature": 1.0}
 
@@ -257,11 +259,11 @@ def test_choices_of_a_large_n_are_split_but_numbered_and_seeded_as_one(server: S
     whole = texts()
     assert len(set(whole[:8])) > 1  # the choices differ...
     admission = server.app.state.context.admission
-    admission.unit_seqs = 3
+    saved, admission.unit_seqs = admission.unit_seqs, 3
     try:
         split = texts()
     finally:
-        admission.unit_seqs = UNIT_SEQS
+        admission.unit_seqs = saved
     assert split == whole  # ...and choice j is the same, whatever unit computed it
 
 
@@ -611,9 +613,10 @@ def _stream_until_done(server: Server, body: dict[str, Any], marks: dict[str, fl
     marks[name] = time.perf_counter()
 
 
-def test_one_big_request_does_not_hold_up_a_small_one(tiny_model_dir: Path) -> None:
-    """500 near-context prompts (or a large n) in one request; a small request sent
-    after it finishes long before it, within a few steps of its idle latency."""
+@pytest.mark.parametrize("abuse", ["prompts", "n"])
+def test_one_big_request_does_not_hold_up_a_small_one(tiny_model_dir: Path, abuse: str) -> None:
+    """500 near-context prompts, or n = 128 long choices, in one request; a small
+    request sent after it finishes long before it, within a few of its idle latencies."""
     args = FrontendArgs(max_completion_prompts=512, max_queued_seqs=1024)
     with _serve(tiny_model_dir, args, max_num_seqs=16) as server:
         small = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
@@ -623,11 +626,14 @@ def test_one_big_request_does_not_hold_up_a_small_one(tiny_model_dir: Path) -> N
             assert server.http.post(server.url("/v1/completions"),
                                     json={"model": MODEL, **small}).status_code == 200
             idle.append(time.perf_counter() - start)
-        near_context = [[7 + i % 50] * (MAX_MODEL_LEN - 9) for i in range(500)]
+        if abuse == "prompts":
+            body = {"prompt": [[7 + i % 50] * (MAX_MODEL_LEN - 9) for i in range(500)],
+                    "max_tokens": 8, "ignore_eos": True}
+        else:
+            body = {"prompt": "Once upon a time", "n": 128, "max_tokens": 100,
+                    "ignore_eos": True}
         marks: dict[str, float] = {}
-        big = threading.Thread(target=_stream_until_done, args=(
-            server, {"prompt": near_context, "max_tokens": 8, "ignore_eos": True},
-            marks, "big"))
+        big = threading.Thread(target=_stream_until_done, args=(server, body, marks, "big"))
         sent = time.perf_counter()
         big.start()
         time.sleep(0.5)  # the big request is well under way
@@ -638,7 +644,7 @@ def test_one_big_request_does_not_hold_up_a_small_one(tiny_model_dir: Path) -> N
         big.join(timeout=300)
         big_took = marks["big"] - sent
     # The big request takes hundreds of steps; the small one a few more than alone.
-    assert abused < big_took / 10, (abused, big_took)
+    assert abused < big_took / 5, (abused, big_took)
     assert abused < 10 * statistics.median(idle) + 0.5, (abused, idle)
 
 
