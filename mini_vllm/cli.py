@@ -183,6 +183,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
         else:
+            if default is not None:
+                help_text += " (default: %(default)s)"
             group.add_argument(flag, type=_TYPES[annotation.split("|")[0].strip()],
                                default=default, help=help_text)
 

@@ -381,7 +381,7 @@ class OpenAIServing:
         gate = self.admission.bulk
 
         async def pump(index: int, unit: Unit) -> None:
-            unit_params = params.replace(
+            unit_params = params if unit.n == params.n else params.replace(
                 n=unit.n, seed=None if params.seed is None else params.seed + unit.first_choice)
             if unit.rank:  # the bulk of a big request takes turns with other requests' bulk
                 await gate.acquire(unit.n, unit.rank)

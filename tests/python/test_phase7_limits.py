@@ -42,7 +42,12 @@ from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM
 from mini_vllm.entrypoints.admission import Admission, FairGate, split_units
 from mini_vllm.entrypoints.args import FrontendArgs
-from mini_vllm.entrypoints.connections import RateLimitedLog, rate_limited_exception_handler
+from mini_vllm.entrypoints.connections import (
+    RESERVED_DESCRIPTORS,
+    RateLimitedLog,
+    ensure_descriptors,
+    rate_limited_exception_handler,
+)
 from mini_vllm.entrypoints.openai_server import build_app, make_server
 
 pytestmark = pytest.mark.phase7
@@ -522,6 +527,25 @@ def test_accept_errors_are_logged_at_a_bounded_rate(caplog: pytest.LogCaptureFix
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
     assert "Too many open files" in lines[0] and "999 more" in lines[1]
+
+
+def test_the_descriptor_limit_is_raised_or_the_cap_lowered(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    resource = pytest.importorskip("resource")
+    limits = {"soft": 1024, "hard": 1_000_000}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (limits["soft"], limits["hard"]))
+
+    def setrlimit(_: int, value: tuple[int, int]) -> None:
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert ensure_descriptors(2048) == 2048  # the soft limit rose to what 2048 needs
+    assert limits["soft"] >= 2048 + 2048 // 4 + RESERVED_DESCRIPTORS
+    limits.update(soft=1024, hard=1024)  # the hard limit is too low: a smaller cap
+    with caplog.at_level(logging.WARNING, logger="mini_vllm"):
+        lowered = ensure_descriptors(2048)
+    assert lowered + max(16, lowered // 4) + RESERVED_DESCRIPTORS <= 1024
+    assert "ulimit" in caplog.text
 
 
 # ----------------------------------------------------------------------------- admission
