@@ -2,11 +2,12 @@
 
 One API request asks for `prompts x n` sequences. The server splits them into
 *units*, each one engine request (a prompt and some of its `n` choices), and
-ranks them inside the request: unit 0, 1, 2 ... Unit 0 is the request's first
-sequence alone; the others hold up to `UNIT_SEQS` choices of one prompt.
+ranks them inside the request: unit 0, 1, 2 ... Unit 0 holds up to
+`FIRST_UNIT_SEQS` choices of the first prompt (fewer when the batch is small);
+the others up to `UNIT_SEQS` choices of one prompt.
 
 ```
-request A: 1 prompt, n = 40    units  A0 (1)  A1 (16)  A2 (16)  A3 (7)
+request A: 1 prompt, n = 40    units  A0 (4)  A1 (16)  A2 (16)  A3 (4)
 request B: 3 prompts, n = 1    units  B0 (1)  B1 (1)   B2 (1)
 request C: 1 prompt,  n = 1    units  C0 (1)
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 # Sequences of one engine request (a prompt and up to this many of its `n` choices):
 # the choices of a unit share their prompt's prefill in the engine.
 UNIT_SEQS = 16
+# Sequences of a request's first unit, the part that goes in at once.
+FIRST_UNIT_SEQS = 4
 # Share of the engine's running batch that the bulk of big requests may fill.
 BULK_SHARE = 0.75
 # Seconds a client is told to wait (`Retry-After`) when the server is full.
@@ -67,14 +70,16 @@ class Unit:
     rank: int
 
 
-def split_units(num_prompts: int, n: int, unit_seqs: int = UNIT_SEQS) -> list[Unit]:
+def split_units(num_prompts: int, n: int, unit_seqs: int = UNIT_SEQS,
+                first_unit_seqs: int = FIRST_UNIT_SEQS) -> list[Unit]:
     """The units of a request of `num_prompts` prompts with `n` choices each, prompt-major:
-    the first sequence alone (what goes in at once), then up to `unit_seqs` at a time."""
-    units = [Unit(0, 0, 1, 0)]
+    at most `first_unit_seqs` sequences first (what goes in at once), then at most
+    `unit_seqs` at a time."""
+    units: list[Unit] = []
     for prompt_index in range(num_prompts):
-        first = 1 if prompt_index == 0 else 0
+        first = 0
         while first < n:
-            size = min(unit_seqs, n - first)
+            size = min(unit_seqs if units else first_unit_seqs, n - first)
             units.append(Unit(prompt_index, first, size, len(units)))
             first += size
     return units
@@ -166,6 +171,8 @@ class Admission:
         capacity = max(1, int(max_num_seqs * BULK_SHARE))
         self.bulk = FairGate(capacity)
         self.unit_seqs = min(unit_seqs, capacity)  # a unit never fills more than the bulk's share
+        # First units share the rest of the batch: one takes at most half of it.
+        self.first_unit_seqs = max(1, min(FIRST_UNIT_SEQS, (max_num_seqs - capacity) // 2))
 
     # --8<-- [start:admit]
     def admit(self, seqs: int) -> Ticket:
@@ -187,5 +194,5 @@ class Admission:
     # --8<-- [end:admit]
 
 
-__all__ = ["BULK_SHARE", "RETRY_AFTER_S", "UNIT_SEQS", "Admission", "FairGate", "ServerBusy",
+__all__ = ["BULK_SHARE", "FIRST_UNIT_SEQS", "RETRY_AFTER_S", "UNIT_SEQS", "Admission", "FairGate", "ServerBusy",
            "Ticket", "Unit", "split_units"]

@@ -68,7 +68,7 @@ class FrontendArgs:
     timeout_request_headers: float = 10.0
     timeout_request_body: float = 30.0
     h11_max_incomplete_event_size: int = 16 * 1024
-    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_request_body_bytes: int = 2 * 1024 * 1024
     max_n_sequences: int = 128
     max_completion_prompts: int = 1024
     max_stop_strings: int = 16

@@ -226,7 +226,7 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if p and isinstance(p[0], int):  # validated as one form: all ids (see _prompt_form)
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 

@@ -356,7 +356,8 @@ class OpenAIServing:
                 server is shutting down.
             ClientDisconnected: when the client left while waiting.
         """
-        units = split_units(len(prompts), params.n, self.admission.unit_seqs)
+        units = split_units(len(prompts), params.n, self.admission.unit_seqs,
+                            self.admission.first_unit_seqs)
         merged = self._merge(prompts, units, params, request_id, raw_request, ticket)
         first: list[tuple[Unit, RequestOutput]] = []
         # An exception out of `anext` has already ended `merged` (and run its

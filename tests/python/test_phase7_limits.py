@@ -245,12 +245,13 @@ def test_a_seed_that_overflows_with_n_is_a_400(server: Server) -> None:
 
 
 def test_choices_of_a_large_n_are_split_but_numbered_and_seeded_as_one(server: Server) -> None:
-    """n = 8 runs as units of 1 + 7 and 8, then of at most 3: the same choices either way."""
-    units = split_units(2, 8, unit_seqs=3)
+    """n = 8 runs as units of 4 + 4 and 8, then of 1 and at most 3: the same choices."""
+    units = split_units(2, 8, unit_seqs=3, first_unit_seqs=1)
     assert [(u.prompt_index, u.first_choice, u.n, u.rank) for u in units] == [
         (0, 0, 1, 0), (0, 1, 3, 1), (0, 4, 3, 2), (0, 7, 1, 3), (1, 0, 3, 4), (1, 3, 3, 5),
         (1, 6, 2, 6)]
     assert [(u.first_choice, u.n) for u in split_units(1, 1)] == [(0, 1)]
+    assert [(u.prompt_index, u.n) for u in split_units(2, 2)] == [(0, 2), (1, 2)]
     body = {"prompt": ["Hello", "Once upon"], "n": 8, "seed": 11, "max_tokens": 5,
             "temperature": 1.0}
 
@@ -264,11 +265,12 @@ def test_choices_of_a_large_n_are_split_but_numbered_and_seeded_as_one(server: S
     whole = texts()
     assert len(set(whole[:8])) > 1  # the choices differ...
     admission = server.app.state.context.admission
-    saved, admission.unit_seqs = admission.unit_seqs, 3
+    saved = admission.unit_seqs, admission.first_unit_seqs
+    admission.unit_seqs, admission.first_unit_seqs = 3, 1
     try:
         split = texts()
     finally:
-        admission.unit_seqs = saved
+        admission.unit_seqs, admission.first_unit_seqs = saved
     assert split == whole  # ...and choice j is the same, whatever unit computed it
 
 
@@ -410,6 +412,35 @@ def test_a_20_mb_body_is_a_413_while_health_answers_within_100_ms(server: Server
                                content=iter([b"x" * 65536] * 40),
                                headers={"content-type": "application/json"})
     _assert_error(chunked, 413)
+
+
+_WORST_JSON = """
+import socket, sys
+port, limit = int(sys.argv[1]), int(sys.argv[2])
+ids = b",".join([b"1"] * ((limit - 16) // 2))
+body = b'{"prompt": [' + ids + b']}'
+assert len(body) <= limit
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(5):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json"
+                  b"\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body) + body)
+        print(s.recv(65536).split(b" ")[1].decode(), flush=True)
+"""
+
+
+def test_the_largest_body_parses_while_health_answers_within_100_ms(
+        tiny_model_dir: Path) -> None:
+    """The default body limit bounds what parsing (which holds the GIL) can cost: five
+    bodies of the slowest JSON to parse, a million token ids each, just under the
+    limit, while /health keeps its p99 under 100 ms."""
+    args = FrontendArgs()
+    with _serve(tiny_model_dir, args) as server:
+        latencies, out = _health_latencies_during(server, 100, _WORST_JSON,
+                                                  str(args.max_request_body_bytes))
+    assert out.split() == ["400"] * 5  # parsed, then found far longer than the context
+    assert _p99(latencies) < 0.1, f"/health p99 {_p99(latencies) * 1000:.0f} ms"
 
 
 _LARGE_PROMPT = """
