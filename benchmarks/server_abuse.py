@@ -53,10 +53,10 @@ MODEL = "abuse-test"
 SMALL = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0}
 
 
-def _fcfs_units(num_prompts: int, n: int, unit_seqs: int) -> list[Unit]:
+def _fcfs_units(num_prompts: int, n: int, *sizes: int) -> list[Unit]:
     """Every unit at rank 0: all of a request goes in at once, at priority 0."""
     return [Unit(u.prompt_index, u.first_choice, u.n, 0)
-            for u in split_units(num_prompts, n, unit_seqs)]
+            for u in split_units(num_prompts, n, *sizes)]
 
 
 def _small_latencies(base: str, count: int) -> list[float]:

@@ -170,7 +170,8 @@ class Admission:
         self.in_flight = 0
         capacity = max(1, int(max_num_seqs * BULK_SHARE))
         self.bulk = FairGate(capacity)
-        self.unit_seqs = min(unit_seqs, capacity)  # a unit never fills more than the bulk's share
+        # Two units at least fit the bulk's share: one starts while another runs.
+        self.unit_seqs = max(1, min(unit_seqs, capacity // 2))
         # First units share the rest of the batch: one takes at most half of it.
         self.first_unit_seqs = max(1, min(FIRST_UNIT_SEQS, (max_num_seqs - capacity) // 2))
 
