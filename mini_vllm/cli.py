@@ -8,7 +8,8 @@ mini-vllm make-model DIR --preset tiny                             write a rando
 ```
 
 Engine flags are made from `EngineArgs`' fields, named as vLLM names them
-(`max_num_seqs` is `--max-num-seqs`). Without `--model` a command uses the
+(`max_num_seqs` is `--max-num-seqs`), and the server's from `FrontendArgs`'
+(`--api-key`, `--max-n-sequences` ...). Without `--model` a command uses the
 embedded default: the tiny preset, written once into a cache directory.
 """
 
@@ -18,7 +19,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
+import ssl
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
@@ -30,7 +33,9 @@ from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
 from mini_vllm.engine.heap import freeze_heap
 from mini_vllm.engine.llm_engine import LLMEngine
-from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.entrypoints.args import FrontendArgs
+from mini_vllm.entrypoints.connections import ensure_descriptors
+from mini_vllm.entrypoints.openai_server import bind_socket, build_app, make_server
 from mini_vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("mini_vllm")
@@ -96,6 +101,38 @@ def _load_serving_engine(ns: argparse.Namespace) -> Any:
 # ---- end of the parallelism flags ---------------------------------------------------
 
 
+# One help line per `FrontendArgs` field.
+_FRONTEND_ARG_HELP: dict[str, str] = {
+    "api_key": "require `Authorization: Bearer KEY` with one of these keys (default: "
+               "$MINI_VLLM_API_KEY, else $VLLM_API_KEY, else no key); /health stays open",
+    "allowed_origins": "origins browsers may call the API from (CORS), as a JSON list, e.g. "
+                       "'[\"https://app.example\"]' (default: none)",
+    "allowed_methods": "HTTP methods those origins may use, as a JSON list",
+    "allowed_headers": "request headers those origins may send, as a JSON list",
+    "allow_credentials": "let those origins send cookies and authorization headers",
+    "disable_fastapi_docs": "serve no /docs, /redoc or /openapi.json",
+    "ssl_keyfile": "TLS private key file (with --ssl-certfile: serve HTTPS)",
+    "ssl_certfile": "TLS certificate chain file",
+    "ssl_ca_certs": "CA certificates to check client certificates against",
+    "ssl_cert_reqs": "client certificate: 0 not asked, 1 optional, 2 required",
+    "limit_concurrency": "most open connections; more are answered 503 with Retry-After",
+    "timeout_keep_alive": "seconds an idle keep-alive connection stays open",
+    "timeout_request_headers": "seconds a client has to send a request's headers",
+    "timeout_request_body": "seconds a client has to send a request's body (then 408)",
+    "h11_max_incomplete_event_size": "most bytes of request headers",
+    "max_request_body_bytes": "largest request body in bytes (larger: 413)",
+    "max_n_sequences": "largest n (completions per prompt)",
+    "max_completion_prompts": "most prompts in one completions request",
+    "max_stop_strings": "most stop strings in one request",
+    "max_stop_string_len": "longest stop string, in characters",
+    "max_logprobs": "largest logprobs / top_logprobs",
+    "max_queued_seqs": "sequences (prompts x n) held beyond the running batch "
+                       "(--max-num-seqs); when full, requests get 503 with Retry-After",
+}
+# Environment variables that give the API key when --api-key does not (the first set wins).
+API_KEY_ENV = ("MINI_VLLM_API_KEY", "VLLM_API_KEY")
+
+
 class UsageError(Exception):
     """A problem the user can fix: printed as one line, exit status 2."""
 
@@ -128,24 +165,104 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 # --8<-- [end:engine_flags]
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag's value given as a JSON list of strings (vLLM's format for CORS lists)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as "
+                                         f"'[\"https://app.example\"]', got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {text!r}")
+    return port
+
+
+# --8<-- [start:frontend_flags]
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per `FrontendArgs` field (`--api-key`, `--max-n-sequences` ...)."""
+    group = parser.add_argument_group("server")
+    defaults = FrontendArgs()
+    for f in dataclasses.fields(FrontendArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = _FRONTEND_ARG_HELP[f.name]
+        annotation = str(f.type)
+        if f.name == "api_key":
+            group.add_argument(flag, nargs="+", default=None, metavar="KEY", help=help_text)
+        elif annotation.startswith("tuple"):
+            group.add_argument(flag, type=_json_list, default=list(default), metavar="JSON",
+                               help=help_text)
+        elif annotation == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+        else:
+            if default is not None:
+                help_text += " (default: %(default)s)"
+            group.add_argument(flag, type=_TYPES[annotation.split("|")[0].strip()],
+                               default=default, help=help_text)
+
+
+def frontend_args_from(ns: argparse.Namespace) -> FrontendArgs:
+    """The `FrontendArgs` a parsed command line asks for (the API key may come from
+    the environment).
+
+    Raises:
+        ValueError: naming the flag that is out of range.
+    """
+    values = {name: getattr(ns, name) for name in FrontendArgs.field_names() if hasattr(ns, name)}
+    if not values.get("api_key"):
+        env_key = next((os.environ[v] for v in API_KEY_ENV if os.environ.get(v)), None)
+        values["api_key"] = [env_key] if env_key else []
+    return FrontendArgs(**values)
+# --8<-- [end:frontend_flags]
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `serve`: the engine's, the server's and where to listen."""
+    add_engine_args(parser)
+    add_frontend_args(parser)
+    group = parser.add_argument_group("listening and logging")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0 for every interface)")
+    group.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    group.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"), help="logging level")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="do not log one line per HTTP request")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the usage of `serve` is a screenful)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # `mini-vllm` with no command serves, so its help shows the serving flags too
+    # (as `vllm serve --help` does); they are parsed by the `serve` command.
+    parser = _Parser(
         prog="mini-vllm",
-        description="A vLLM-style inference engine for Qwen3. Without a command, `serve`.")
+        description="A vLLM-style inference engine for Qwen3. Without a command, `serve`: "
+                    "`mini-vllm --model DIR [flags below]`.")
     parser.add_argument("--version", action="version", version=f"mini-vllm {mini_vllm.__version__}",
                         help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_args(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (the default)",
                            description="Serve an OpenAI-compatible API over HTTP.")
-    add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--log-level", default="info",
-                       choices=("debug", "info", "warning", "error"), help="logging level")
-    serve.add_argument("--disable-uvicorn-access-log", action="store_true",
-                       help="do not log one line per HTTP request")
+    _add_serve_args(serve)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal",
                           description="Chat in the terminal. /reset starts over, /exit or "
@@ -214,40 +331,70 @@ DEFAULT_SERVED_NAME = "mini-vllm-tiny"
 
 
 # --8<-- [start:serve]
+def _check_tls(args: FrontendArgs) -> None:
+    """Load the TLS key and certificate once, so a bad file is reported before the model loads."""
+    if args.ssl_certfile is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise UsageError(f"cannot use --ssl-certfile {args.ssl_certfile} with --ssl-keyfile "
+                         f"{args.ssl_keyfile}: {e}") from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     _setup_logging(getattr(logging, ns.log_level.upper()))
     # Like vLLM, clients name the model as --model was given; the embedded default
     # model gets a short name instead of its cache path.
     ns.served_model_name = ns.served_model_name or ns.model or DEFAULT_SERVED_NAME
-    engine = _load_serving_engine(ns)
-    app = build_app(engine)
+    try:
+        args = frontend_args_from(ns)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_tls(args)
+    # Everything that can be wrong with where we listen is found before the model loads.
+    try:
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {ns.host}:{ns.port}: {e.strerror or e}") from None
+    args = args.replace(limit_concurrency=ensure_descriptors(args.limit_concurrency))
+    try:
+        engine = _load_serving_engine(ns)
+    except BaseException:
+        sock.close()
+        raise
+    app = build_app(engine, args=args)
     config = engine.engine_config
     model_name = app.state.model_name
-    base = f"http://{ns.host}:{ns.port}"
+    base = f"{'https' if args.ssl_certfile else 'http'}://{ns.host}:{sock.getsockname()[1]}"
     example = json.dumps({"model": model_name, "max_tokens": 32,
                           "messages": [{"role": "user", "content": "Hello!"}]})
+    key_header = " -H 'Authorization: Bearer $KEY'" if args.api_key else ""
     print(f"mini-vllm {mini_vllm.__version__}\n"
           f"  model    {config.model}\n"
           f"  dtype    {str(config.dtype).removeprefix('torch.')}   device {config.device}   "
           f"max_model_len {config.scheduler_config.max_model_len}   "
           f"engine {'process' if config.engine_process else 'thread'}\n"
-          f"  serving  {model_name!r} at {base}/v1 (OpenAI API; /health /metrics /stats)\n"
+          f"  serving  {model_name!r} at {base}/v1 (OpenAI API; /health /metrics /stats)"
+          f"{'; API key required' if args.api_key else ''}\n"
           f"Try:\n"
-          f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{key_header} \\\n"
           f"    -d '{example}'",
           flush=True)
     server = make_server(app, ns.host, ns.port, log_level=ns.log_level,
-                         access_log=not ns.disable_uvicorn_access_log)
+                         access_log=not ns.disable_uvicorn_access_log, args=args)
     freeze_heap()  # this process serves from here on (engine/heap.py)
     # uvicorn re-raises the signal that stopped it once it has shut down
     # cleanly; make SIGTERM end like Ctrl-C (a KeyboardInterrupt, caught below).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         engine.shutdown()
+        sock.close()
     return 0
 # --8<-- [end:serve]
 
@@ -369,4 +516,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["add_engine_args", "build_parser", "engine_args_from", "main", "stream_text"]
+__all__ = ["add_engine_args", "add_frontend_args", "build_parser", "engine_args_from",
+           "frontend_args_from", "main", "stream_text"]

@@ -4,15 +4,30 @@ Requests accept and ignore fields they do not know (benchmark clients send
 `best_of`, `suffix`, `tools` ...). Sampling fields a request leaves out stay
 `None` so that the engine (`SamplingParams.with_defaults`) fills them from the
 model's `generation_config.json`, exactly as vLLM does.
+
+Requests are parsed strictly: JSON types are never coerced (`"16"` is not an
+integer, `"yes"` not a boolean, `true` not a token id), and every string a
+request carries is checked to be valid Unicode (`Text`). A new request field
+(structured outputs, tools ...) gets both by declaring its type with these
+building blocks on an `OpenAIBaseModel`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_serializer,
+    model_validator,
+)
 
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,10 +37,79 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# --8<-- [start:strict_types]
 class OpenAIBaseModel(BaseModel):
-    """Base of every request: unknown fields are accepted and dropped."""
+    """Base of every request: strict JSON types; unknown fields are accepted and dropped."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _valid_unicode(text: str) -> str:
+    """`text`, unless it holds a lone UTF-16 surrogate (JSON's `"\\ud800"`).
+
+    Python's JSON parser accepts such escapes, but the string cannot be
+    encoded as UTF-8: the tokenizer, the chat template and the response would
+    each fail on it later.
+    """
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"a lone surrogate U+{ord(text[e.start]):04X} at character "
+                             f"{e.start} is not valid Unicode text") from None
+    return text
+
+
+def _valid_unicode_tree(value: Any) -> Any:
+    """`_valid_unicode` on every key and string inside a JSON value."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _valid_unicode(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
+# A string of a request: valid Unicode (no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+# Any JSON object whose strings are valid Unicode.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_tree)]
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which of the four prompt forms `value` has, from its first item only.
+
+    Validating against the one form it can be (instead of trying every member
+    of a union) keeps a body of a million token ids one linear pass.
+    """
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else ""
+        if isinstance(first, str):
+            return "texts"
+        if isinstance(first, list):
+            return "token_id_lists"
+        return "token_ids"
+    return None
+
+
+PROMPT_FORMS = frozenset({"text", "texts", "token_ids", "token_id_lists"})
+Prompt = Annotated[
+    Annotated[Text, Tag("text")]
+    | Annotated[list[Text], Tag("texts")]
+    | Annotated[list[int], Tag("token_ids")]
+    | Annotated[list[list[int]], Tag("token_id_lists")],
+    Discriminator(_prompt_form, custom_error_type="prompt_type",
+                  custom_error_message="prompt must be a string, a list of strings, a list of "
+                                       "token ids or a list of token-id lists"),
+]
+# --8<-- [end:strict_types]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -59,14 +143,14 @@ class SamplingRequest(OpenAIBaseModel):
     OpenAI default (see `SamplingParams.with_defaults`).
     """
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -77,7 +161,7 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -132,7 +216,7 @@ class CompletionRequest(SamplingRequest):
     (choice `i * n + j` is completion `j` of prompt `i`), as in vLLM.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16  # null: up to the context length
     logprobs: int | None = None
     echo: bool = False
@@ -142,21 +226,21 @@ class CompletionRequest(SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if p and isinstance(p[0], int):  # validated as one form: all ids (see _prompt_form)
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
 
 class TextContentPart(OpenAIBaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation; content is a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -180,7 +264,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

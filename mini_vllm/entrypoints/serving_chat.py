@@ -43,6 +43,7 @@ from mini_vllm.entrypoints.serving_engine import (
     OpenAIServing,
     ServerShuttingDown,
     bad_request,
+    request_id_of,
     sse_stream,
     token_text,
 )
@@ -62,29 +63,39 @@ class OpenAIServingChat(OpenAIServing):
         """Serve one chat completions request.
 
         Raises:
-            OpenAIError: 400 for an invalid request, 404 for an unknown model.
+            OpenAIError: 400 for an invalid request, 404 for an unknown model,
+                503 when the server is full.
             ClientDisconnected: when the client leaves before the response.
         """
         self.check_model(request.model)
-        prompt_ids = self.render_chat(request)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        self.check_limits(request, 1, num_logprobs)
         try:
             params = request.build_sampling_params(request.requested_max_tokens, num_logprobs)
         except ValueError as e:
             raise bad_request(e) from None
 
+        ticket = self.admit(request, 1)
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        outputs = await self.generate([prompt_ids], params, request_id, raw_request)
+        try:
+            text = await self.run_blocking(self.render_chat, request)
+            prompt_ids = await self.tokenize([text], params)
+            outputs = await self.generate(prompt_ids, params, request_id, raw_request, ticket)
+        except BaseException:
+            ticket.release()  # (once the stream has started, it releases the ticket itself)
+            raise
         chunks = self._chunks(request, request_id, created, outputs)
         if request.stream:
-            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(chunks, request_id_of(raw_request)),
+                                     media_type="text/event-stream")
         response = await self._collect(request_id, created, request.n, chunks)
         return JSONResponse(response.model_dump())
     # --8<-- [end:create_chat_completion]
 
-    def render_chat(self, request: ChatCompletionRequest) -> list[int]:
-        """The prompt's token ids: the messages through the chat template."""
+    def render_chat(self, request: ChatCompletionRequest) -> str:
+        """The prompt's text: the messages through the chat template (run on the
+        worker pool; the text is tokenized with the other prompts' text)."""
         kwargs = dict(request.chat_template_kwargs or {})
         reserved = _RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
         if reserved:
@@ -94,8 +105,8 @@ class OpenAIServingChat(OpenAIServing):
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in request.messages]
         try:
-            return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
+            return str(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
                 **kwargs))
         except (jinja2.TemplateError, ValueError) as e:
             raise OpenAIError(400, f"the chat template refused the messages: {e}",

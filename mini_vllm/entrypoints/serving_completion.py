@@ -32,6 +32,7 @@ from mini_vllm.entrypoints.serving_engine import (
     OpenAIServing,
     ServerShuttingDown,
     bad_request,
+    request_id_of,
     sse_stream,
     token_text,
 )
@@ -54,24 +55,33 @@ class OpenAIServingCompletion(OpenAIServing):
         """Serve one completions request.
 
         Raises:
-            OpenAIError: 400 for an invalid request, 404 for an unknown model.
+            OpenAIError: 400 for an invalid request, 404 for an unknown model,
+                503 when the server is full.
             ClientDisconnected: when the client leaves before the response.
         """
         self.check_model(request.model)
         prompts = request.prompts()
         if not prompts:  # the engine refuses each empty prompt itself
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        self.check_limits(request, len(prompts), request.logprobs)
         try:
             params = request.build_sampling_params(request.max_tokens, request.logprobs)
         except ValueError as e:
             raise bad_request(e) from None
 
+        ticket = self.admit(request, len(prompts))
         request_id = random_id("cmpl")
         created = int(time.time())
-        outputs = await self.generate(prompts, params, request_id, raw_request)
+        try:
+            prompt_ids = await self.tokenize(prompts, params)
+            outputs = await self.generate(prompt_ids, params, request_id, raw_request, ticket)
+        except BaseException:
+            ticket.release()  # (once the stream has started, it releases the ticket itself)
+            raise
         chunks = self._chunks(request, prompts, request_id, created, outputs)
         if request.stream:
-            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(chunks, request_id_of(raw_request)),
+                                     media_type="text/event-stream")
         return JSONResponse(
             (await self._collect(request_id, created, len(prompts) * request.n, chunks))
             .model_dump())

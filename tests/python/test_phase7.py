@@ -898,7 +898,7 @@ def test_cli_serve_freezes_its_heap_before_it_serves(tiny_model_dir: Path,
     seen = []
 
     class _Server:  # stands in for uvicorn: records the heap's state and returns
-        def run(self) -> None:
+        def run(self, sockets: Any = None) -> None:
             seen.append(gc.get_freeze_count())
 
     monkeypatch.setattr(cli, "make_server", lambda *args, **kwargs: _Server())

@@ -202,9 +202,10 @@ def _complete(http: httpx.Client, base: str, prompt: str) -> httpx.Response:
         "model": "tp-test", "prompt": prompt, "max_tokens": 10, "temperature": 0.0})
 
 
-def test_server_with_tensor_parallel_size_2(tiny_model_dir: Path) -> None:
+def test_server_with_tensor_parallel_size_2(tiny_model_dir: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
     """The server's answers are the one-rank engine's; a killed worker turns them
-    into 503s, and /health with them, without a hang."""
+    into 503s, and /health with them, without a hang; the log names the rank."""
     want = _reference(tiny_model_dir)[0][0]
     engine = AsyncLLM(EngineArgs(str(tiny_model_dir), tensor_parallel_size=2, **ENGINE)
                       .create_engine_config())
@@ -219,7 +220,8 @@ def test_server_with_tensor_parallel_size_2(tiny_model_dir: Path) -> None:
         procs[0].kill()
         r = _complete(http, base, PROMPTS[1])
         assert r.status_code == 503, r.text
-        assert "rank 1" in r.json()["error"]["message"]
+        assert "engine is not running" in r.json()["error"]["message"]
+        assert "tensor-parallel worker rank 1" in caplog.text  # the details go to the log
         assert http.get(base + "/health").status_code == 503
         assert _complete(http, base, PROMPTS[2]).status_code == 503
     next(serving, None)
