@@ -33,6 +33,7 @@ from mini_vllm.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
+    get_rope,
 )
 
 
@@ -174,8 +175,9 @@ class Qwen3Model(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, device, dtype)
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                     config.rope_theta, device)
+        # Plain RoPE, or YaRN where config.json asks for it (Qwen3's long contexts).
+        rotary_emb = get_rope(config.head_dim, config.max_position_embeddings,
+                              config.rope_theta, config.rope_scaling, device)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, rotary_emb, backend, device, dtype)
             for _ in range(config.num_hidden_layers)
