@@ -253,6 +253,8 @@ def _read_decoder(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
         window, layer_types = None, []
     moe = architecture == "Qwen3MoeForCausalLM"
     if moe:
+        if "num_experts" not in cfg and "num_local_experts" in cfg:  # transformers 5's name
+            cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
         _required(cfg, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
     return {
         "vocab_size": cfg["vocab_size"],
