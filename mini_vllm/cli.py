@@ -285,6 +285,8 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         params = _sampling_params(ns)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if engine.tokenizer.chat_template is None:  # GPT-2: say so before the first prompt
+        raise UsageError("the model has no chat template: give one with --chat-template FILE")
     start = [{"role": "system", "content": ns.system}] if ns.system else []
     messages = list(start)
     print(f"Chatting with {engine.config.model}. /reset starts over, /exit or Ctrl-D quits.",

@@ -329,6 +329,19 @@ def test_llama3_and_yarn_rope_match_transformers() -> None:
         get_rope(16, 64, 1e4, {"rope_type": "llama3", "factor": 8.0})
 
 
+def test_yarn_holds_past_the_pretraining_context(family_dirs) -> None:
+    """Qwen3 with YaRN (a context of 1,024 stretched 4x) at positions 1,280-1,299,
+    continuing a cached prompt of 1,280 tokens: still transformers' logits."""
+    model_dir = family_dir(family_dirs, "tiny-qwen3-yarn")
+    runner = ModelRunner(engine_config(model_dir, num_gpu_blocks_override=400,
+                                       max_model_len=2048))
+    (prompt,) = random_prompts([1300], runner.vocab_size, seed=21)
+    table = list(range(1, 326))
+    runner.execute([BatchEntry(prompt[:1280], 0, table, sample=False)])
+    ours = all_logits(runner, [BatchEntry(prompt[1280:], 1280, table)])
+    torch.testing.assert_close(ours, hf_logits(hf_model_of(model_dir), prompt)[1280:], **TOL)
+
+
 def test_the_sliding_window_binds(family_dirs) -> None:
     """Mistral's window of 16: positions past it see 16 tokens, not the whole context."""
     runner = ModelRunner(engine_config(family_dir(family_dirs, "tiny-mistral")))
@@ -529,6 +542,16 @@ def test_a_model_without_a_chat_template_says_so_and_chat_template_overrides(
         EngineArgs(model=str(model_dir), chat_template="no-such-file").create_engine_config()
 
 
+def test_cli_chat_without_a_template_is_a_one_line_error(family_dirs, capsys) -> None:
+    from mini_vllm.cli import main
+
+    model_dir = family_dir(family_dirs, "tiny-gpt2")
+    rc = main(["chat", "--model", str(model_dir), "--device", "cpu", "--max-model-len", "64",
+               "--num-gpu-blocks-override", "16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no chat template" in err and len(err.strip().splitlines()) == 1
+
+
 def test_the_server_answers_a_chat_without_template_with_a_400(family_dirs) -> None:
     from mini_vllm.engine.async_engine import AsyncLLM
     from mini_vllm.entrypoints.openai_server import build_app
@@ -555,6 +578,82 @@ def test_the_server_answers_a_chat_without_template_with_a_400(family_dirs) -> N
     error = chat.json()["error"]
     assert "no chat template" in error["message"] and error["param"] == "messages"
     assert completion.status_code == 200
+
+
+# ------------------------------------------------------------ the floor
+
+
+@pytest.fixture(scope="module")
+def common():
+    """`benchmarks/common.py` (benchmarks/ is not an installed package)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("_models_common", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shapes_count_every_familys_parameters_as_transformers_does(common, tmp_path) -> None:
+    for name in ("llama3-8b", "qwen2.5-7b", "mistral-7b", "gpt2-xl", "qwen3-30b-a3b"):
+        config = dict(FAMILY_PRESETS[name].config)
+        shape = common.ModelShape.from_config(config)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**config))
+        n = sum(p.numel() for p in hf.parameters())
+        assert shape.num_params == pytest.approx(n, rel=2e-3), name  # biases left out
+    moe = common.ModelShape.from_config(dict(FAMILY_PRESETS["qwen3-30b-a3b"].config))
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.num_moe_layers) == (128, 8, 48)
+    assert 3.2e9 < moe.active_params + 2 * moe.vocab_size * moe.hidden_size < 3.4e9  # "A3B"
+    assert moe.experts_read(1) == pytest.approx(8)
+    assert moe.experts_read(256) == pytest.approx(128, rel=1e-6)
+    one, many = moe.weight_bytes(2, 1), moe.weight_bytes(2, 256)
+    assert many == pytest.approx(moe.weight_bytes(2), rel=1e-6) and one < many / 8
+
+
+def test_floor_is_the_longer_of_bytes_and_flops_step_by_step(common) -> None:
+    """An independent count, token by token: each decode step's bytes and FLOPs from
+    its running requests, each prompt step's from the prompts."""
+    shape = common.ModelShape.from_config(dict(FAMILY_PRESETS["llama3-8b"].config))
+    w = common.make_workload(num_requests=6, input_len=(10, 40), output_len=(3, 9), seed=1)
+    bw, rate = 1e12, 20e12
+    floor = common.throughput_floor(w, shape, 2, bw, max_num_seqs=4, matmul_flops_per_s=rate,
+                                    max_num_batched_tokens=64)
+    kv = shape.kv_bytes_per_token(2)
+    weights = shape.weight_bytes(2)
+    # Slots: each request takes the first slot to free, and runs max_tokens steps.
+    free, runs = [0] * 4, []
+    for p, m in zip(w.prompts, w.max_tokens):
+        slot = min(range(4), key=lambda i: free[i])
+        runs.append((free[slot], m, len(p)))
+        free[slot] += m
+    decode = 0.0
+    for step in range(max(free)):
+        live = [(start, p) for start, m, p in runs if start <= step < start + m]
+        ctx = sum(p + step - start + 1 for start, p in live)
+        nbytes = weights + (ctx + len(live)) * kv
+        flops = (len(live) * (2 * shape.active_params + 2 * shape.vocab_size * shape.hidden_size)
+                 + 4 * shape.num_layers * shape.num_heads * shape.head_dim * ctx)
+        decode += max(nbytes / bw, flops / rate)
+    prompt_tokens = w.num_prompt_tokens
+    prompt_bytes = -(-prompt_tokens // 64) * weights + prompt_tokens * kv
+    prompt_flops = sum(shape.prefill_flops(len(p)) for p in w.prompts)
+    prompt = max(prompt_bytes / bw, prompt_flops / rate)
+    kinds = floor["step_kinds"]
+    assert kinds["decode"]["steps"] == max(free) == floor["decode_steps"]
+    assert kinds["decode"]["floor_s"] == pytest.approx(decode, rel=1e-9)
+    assert kinds["prompt"]["floor_s"] == pytest.approx(prompt, rel=1e-9)
+    assert floor["floor_s"] == pytest.approx(prompt + decode, rel=1e-9)
+    assert floor["floor_s"] > floor["byte_floor_s"]  # an 8B model's prompts are compute
+    assert kinds["prompt"]["flops_s"] > kinds["prompt"]["bytes_s"]
+    # Without a matmul rate the floor is the bytes alone, as before.
+    bytes_only = common.throughput_floor(w, shape, 2, bw, max_num_seqs=4)
+    assert bytes_only["floor_s"] == bytes_only["byte_floor_s"] == floor["byte_floor_s"]
+    assert "step_kinds" not in bytes_only
 
 
 # ------------------------------------------------------------ on a GPU
