@@ -29,7 +29,8 @@ class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
     Args:
-        model: a Hugging Face Qwen3 checkpoint directory; `None` for the
+        model: a Hugging Face checkpoint directory (Qwen3, Llama, Mistral, Qwen2,
+            GPT-2, Qwen3-MoE: `models.supported_architectures()`); `None` for the
             embedded tiny model.
         **engine_args: any `EngineArgs` field (`dtype`, `max_num_seqs`,
             `enable_prefix_caching`, `num_gpu_blocks_override`, ...).
