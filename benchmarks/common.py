@@ -150,17 +150,24 @@ def check_default_workload(workload: Workload) -> None:
 # --8<-- [start:model_shape]
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Qwen3 model that decide how many bytes and FLOPs it costs.
+    """The sizes of a model that decide how many bytes and FLOPs it costs.
 
     Attributes:
         num_layers: decoder layers.
         hidden_size: width of the residual stream.
-        intermediate_size: width of the MLP.
+        intermediate_size: width of the dense MLP.
         num_heads: query heads.
         num_kv_heads: key/value heads (GQA: fewer than query heads).
         head_dim: width of one head.
         vocab_size: rows of the embedding and the output projection.
         tie_word_embeddings: the output projection is the embedding.
+        mlp_matrices: matrices of the dense MLP: 3 for SwiGLU (gate, up, down),
+            2 for GPT-2's (c_fc, c_proj).
+        num_experts: experts of each MoE layer (0: a dense model).
+        num_experts_per_tok: experts each token runs.
+        moe_intermediate_size: width of one expert.
+        num_moe_layers: layers whose MLP is the experts (the others are dense).
+        position_embeddings: rows of a learned position table (GPT-2), else 0.
     """
 
     num_layers: int
@@ -171,20 +178,36 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
+    mlp_matrices: int = 3
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0
+    position_embeddings: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        """From a Hugging Face Qwen3 `config.json` dict."""
-        heads = config["num_attention_heads"]
+        """From a Hugging Face `config.json` dict of any supported family (read by
+        `mini_vllm.config.ModelConfig`, which knows each family's field names)."""
+        from mini_vllm.config import ModelConfig
+
+        c = ModelConfig.from_dict(config)
+        gpt2 = c.architecture == "GPT2LMHeadModel"
         return cls(
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_layers=c.num_hidden_layers,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            tie_word_embeddings=c.tie_word_embeddings,
+            mlp_matrices=2 if gpt2 else 3,
+            num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            moe_intermediate_size=c.moe_intermediate_size,
+            num_moe_layers=sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers)),
+            position_embeddings=c.max_position_embeddings if gpt2 else 0,
         )
 
     @classmethod
@@ -197,39 +220,84 @@ class ModelShape:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's matmuls (q, k, v, o, gate, up, down); norms are negligible."""
+    def attention_params(self) -> int:
+        """Weights of one layer's attention products (q, k, v, o)."""
         h = self.hidden_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+        return h * q + 2 * h * kv + q * h
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of a dense layer's matmuls (attention and MLP); norms and biases are
+        negligible."""
+        return self.attention_params + self.mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _layers_params(self, experts: float) -> float:
+        """Matmul weights of every layer, with `experts` experts per MoE layer."""
+        dense = self.num_layers - self.num_moe_layers
+        moe = self.attention_params + self.num_experts * self.hidden_size + experts * self.expert_params
+        return dense * self.layer_matmul_params + self.num_moe_layers * moe
+
+    @property
+    def active_params(self) -> float:
+        """Matmul weights one token multiplies by (its own experts only), without the head."""
+        return self._layers_params(self.num_experts_per_tok)
 
     @property
     def num_params(self) -> int:
         """Every stored parameter (a tied embedding counted once)."""
         norms = self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_matmul_params + norms + embeddings
+        positions = self.position_embeddings * self.hidden_size
+        return int(self._layers_params(self.num_experts)) + norms + embeddings + positions
 
-    def weight_bytes(self, dtype_bytes: int) -> int:
-        """Bytes a decode step reads from the weights: all of them once.
+    def experts_read(self, num_tokens: int) -> float:
+        """Experts of one MoE layer that `num_tokens` tokens touch, expected under
+        uniform routing: each expert is missed by all of them with probability
+        `(1 - k / E) ^ n`."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts)
+                                   ** num_tokens)
+
+    def weight_bytes(self, dtype_bytes: int, num_tokens: int | None = None) -> float:
+        """Bytes a step of `num_tokens` tokens reads from the weights (None: all of them).
 
         The embedding lookup touches only a few rows, but the output projection reads
         the whole `[vocab, hidden]` matrix; tied or not, that is one matrix of that size
         plus everything else, which is `num_params` for a tied model and
-        `num_params - vocab x hidden` (the unread embedding) for an untied one.
+        `num_params - vocab x hidden` (the unread embedding) for an untied one. An MoE
+        layer reads only the experts its tokens chose (`experts_read`).
         """
         unread = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return (self.num_params - unread) * dtype_bytes
+        total = self.num_params - unread
+        if num_tokens is not None and self.num_experts:
+            total -= self.num_moe_layers * (self.num_experts - self.experts_read(num_tokens)) \
+                * self.expert_params
+        return total * dtype_bytes
 
     def prefill_flops(self, prompt_len: int) -> float:
         """FLOPs of a prompt's prefill: matmuls for every token, causal attention, one
         row of logits (2 FLOPs per multiply-add)."""
-        matmuls = 2.0 * self.num_layers * self.layer_matmul_params * prompt_len
+        matmuls = 2.0 * self.active_params * prompt_len
         # QK^T and PV: token i attends to i + 1 positions, 2 x 2 x head_dim FLOPs each.
         pairs = prompt_len * (prompt_len + 1) / 2
         attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * pairs
         logits = 2.0 * self.vocab_size * self.hidden_size
         return matmuls + attention + logits
+
+    def decode_flops(self, num_seqs: int, context_tokens: int) -> float:
+        """FLOPs of a decode step of `num_seqs` sequences attending to `context_tokens`
+        cached tokens in all: matmuls and a row of logits per sequence, attention per
+        context token."""
+        per_token = 2.0 * self.active_params + 2.0 * self.vocab_size * self.hidden_size
+        return (num_seqs * per_token
+                + 4.0 * self.num_layers * self.num_heads * self.head_dim * context_tokens)
 # --8<-- [end:model_shape]
 
 
@@ -242,18 +310,45 @@ def decode_steps(max_tokens: Sequence[int], max_num_seqs: int) -> int:
     requests take the first free slot in order (a request that finishes frees its slot
     for the next step): the time the last slot frees.
     """
-    if len(max_tokens) <= max_num_seqs:
-        return max(max_tokens)
-    slots = [0] * max_num_seqs  # the step at which each slot becomes free
-    for m in max_tokens:
-        heapq.heappush(slots, heapq.heappop(slots) + m)
-    return max(slots)
+    return len(decode_schedule([1] * len(max_tokens), max_tokens, max_num_seqs))
+
+
+def decode_schedule(prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                    max_num_seqs: int) -> list[tuple[int, int]]:
+    """`(sequences, context tokens they attend to)` of every decode step, in order.
+
+    Requests take the first free slot in order, as `decode_steps` describes; output
+    token `i` of a request with a prompt of `p` tokens attends to `p + i + 1` tokens.
+    """
+    slots = [0] * min(max_num_seqs, len(max_tokens))  # the step each slot frees at
+    heapq.heapify(slots)
+    spans = []
+    for p, m in zip(prompt_lens, max_tokens):
+        start = heapq.heappop(slots)
+        heapq.heappush(slots, start + m)
+        spans.append((start, m, p))
+    steps = max(start + m for start, m, _ in spans)
+    # Difference arrays: running count, and the sum of (p + 1 - start) over running
+    # requests, whose context at step s is (p + 1 - start) + s.
+    count, base = [0] * (steps + 1), [0] * (steps + 1)
+    for start, m, p in spans:
+        count[start] += 1
+        count[start + m] -= 1
+        base[start] += p + 1 - start
+        base[start + m] -= p + 1 - start
+    schedule, n, b = [], 0, 0
+    for s in range(steps):
+        n, b = n + count[s], b + base[s]
+        schedule.append((n, b + n * s))
+    return schedule
 
 
 def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
                      bandwidth: float, max_num_seqs: int = 256,
-                     matmul_flops_per_s: float | None = None) -> dict[str, Any]:
-    """The least time the workload's memory traffic can take at `bandwidth`.
+                     matmul_flops_per_s: float | None = None,
+                     max_num_batched_tokens: int = 8192) -> dict[str, Any]:
+    """The least time the workload can take: its bytes at `bandwidth`, and with a
+    matmul rate, its FLOPs too, step by step (`step_floors`).
 
     Bytes that must cross memory, with the KV cache in the model's dtype:
 
@@ -261,7 +356,8 @@ def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
       attends to `p + i + 1` tokens and reads each one's K and V once (once per KV
       head, shared by the query heads of its group);
     - KV writes: every prompt and output token's K and V, once;
-    - weight reads: all weights once per decode step (`decode_steps`).
+    - weight reads: the weights once per decode step (`decode_steps`; an MoE layer
+      only the experts the step's tokens chose).
 
     Args:
         workload: the requests.
@@ -269,44 +365,48 @@ def throughput_floor(workload: Workload, shape: ModelShape, dtype_bytes: int,
         dtype_bytes: bytes per weight and per cached K/V value.
         bandwidth: measured copy bandwidth, bytes per second (bytes read + written).
         max_num_seqs: largest batch (decides the number of decode steps).
-        matmul_flops_per_s: a measured matmul rate, to report the compute floor too.
+        matmul_flops_per_s: a measured matmul rate: the floor then counts FLOPs too.
+        max_num_batched_tokens: the step budget, which decides how many steps the
+            prompts take (each reads the weights once).
 
     Returns:
-        The byte counts, `floor_s` (bytes / bandwidth) and `floor_output_tok_s`.
+        The byte counts, `byte_floor_s` (bytes / bandwidth), `floor_s` (the byte floor,
+        or with a matmul rate the sum of the step kinds' floors) and `floor_output_tok_s`.
     """
     kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
-    # sum_{i=0}^{m-1} (p + i + 1) = m p + m (m + 1) / 2
-    kv_read_tokens = sum(m * len(p) + m * (m + 1) // 2
-                         for p, m in zip(workload.prompts, workload.max_tokens))
+    schedule = decode_schedule([len(p) for p in workload.prompts], workload.max_tokens,
+                               max_num_seqs)
+    kv_read_tokens = sum(ctx for _, ctx in schedule)
     kv_write_tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    steps = decode_steps(workload.max_tokens, max_num_seqs)
     weight_bytes = shape.weight_bytes(dtype_bytes)
     kv_read = kv_read_tokens * kv_per_token
     kv_write = kv_write_tokens * kv_per_token
-    weight_read = steps * weight_bytes
+    weight_read = sum(shape.weight_bytes(dtype_bytes, n) for n, _ in schedule)
     total = kv_read + kv_write + weight_read
-    floor_s = total / bandwidth
     result: dict[str, Any] = {
         "kv_bytes_per_token": kv_per_token,
         "kv_read_bytes": kv_read,
         "kv_write_bytes": kv_write,
         "weight_bytes": weight_bytes,
-        "decode_steps": steps,
+        "decode_steps": len(schedule),
         "weight_read_bytes": weight_read,
         "total_bytes": total,
         "bandwidth_bytes_per_s": bandwidth,
-        "floor_s": floor_s,
-        "floor_output_tok_s": workload.num_output_tokens / floor_s,
+        "byte_floor_s": total / bandwidth,
+        "floor_s": total / bandwidth,
     }
     if matmul_flops_per_s:
         # Every prompt and output token goes through the matmuls once; attention FLOPs
         # follow the KV reads (2 x 2 x head_dim per query head per context token).
-        tokens = kv_write_tokens
-        flops = (2.0 * shape.num_layers * shape.layer_matmul_params * tokens
+        flops = (2.0 * shape.active_params * kv_write_tokens
                  + 2.0 * shape.vocab_size * shape.hidden_size * workload.num_output_tokens
                  + 4.0 * shape.num_heads * shape.head_dim * shape.num_layers * kv_read_tokens)
+        kinds = step_floors(workload, shape, schedule, dtype_bytes, bandwidth,
+                            matmul_flops_per_s, max_num_batched_tokens)
         result.update(flops=flops, matmul_flops_per_s=matmul_flops_per_s,
-                      compute_floor_s=flops / matmul_flops_per_s)
+                      compute_floor_s=flops / matmul_flops_per_s, step_kinds=kinds,
+                      floor_s=sum(k["floor_s"] for k in kinds.values()))
+    result["floor_output_tok_s"] = workload.num_output_tokens / result["floor_s"]
     return result
 # --8<-- [end:floor]
 
@@ -358,6 +458,50 @@ def tensor_parallel_floor(floor: dict[str, Any], shape: ModelShape, tp: int, tok
         out["floor_output_tok_s"] = floor["floor_output_tok_s"] * floor["floor_s"] / out["floor_s"]
     return out
 # --8<-- [end:tp_floor]
+
+
+# --8<-- [start:step_floors]
+def step_floors(workload: Workload, shape: ModelShape, schedule: Sequence[tuple[int, int]],
+                dtype_bytes: int, bandwidth: float, flops_per_s: float,
+                max_num_batched_tokens: int) -> dict[str, dict[str, float]]:
+    """The floor of each kind of step: its bytes over the copy bandwidth or its FLOPs
+    over the matmul rate, whichever is longer, step by step.
+
+    - prompt steps: the prompts' tokens in steps of `max_num_batched_tokens`, each
+      reading the weights once and writing its tokens' K/V; their FLOPs are every
+      prompt's matmuls and causal attention (`prefill_flops`). Many tokens per weight:
+      compute decides, on a large model.
+    - decode steps (`decode_schedule`): step `s` reads the weights its sequences touch
+      and the K/V of their contexts, writes one token's K/V each, and does each
+      sequence's matmuls and its attention over its context. Few tokens per weight:
+      bytes decide, but for the matmuls of a large batch.
+
+    Each kind's floor sums the longer of the two over its steps.
+    """
+    kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
+    prompt_tokens = workload.num_prompt_tokens
+    n_prompt_steps = -(-prompt_tokens // max_num_batched_tokens)
+    per_step = min(prompt_tokens, max_num_batched_tokens)
+    prompt_bytes = (n_prompt_steps * shape.weight_bytes(dtype_bytes, per_step)
+                    + prompt_tokens * kv_per_token)
+    prompt_flops = sum(shape.prefill_flops(len(p)) for p in workload.prompts)
+    # The prompt steps are alike: the longer of the two sums is the sum of the longer.
+    prompt = {"steps": n_prompt_steps, "bytes": prompt_bytes, "flops": prompt_flops,
+              "bytes_s": prompt_bytes / bandwidth, "flops_s": prompt_flops / flops_per_s}
+    prompt["floor_s"] = max(prompt["bytes_s"], prompt["flops_s"])
+    decode = {"steps": len(schedule), "bytes": 0.0, "flops": 0.0, "bytes_s": 0.0,
+              "flops_s": 0.0, "floor_s": 0.0, "compute_bound_steps": 0}
+    for n, ctx in schedule:
+        nbytes = shape.weight_bytes(dtype_bytes, n) + (ctx + n) * kv_per_token
+        flops = shape.decode_flops(n, ctx)
+        decode["bytes"] += nbytes
+        decode["flops"] += flops
+        decode["bytes_s"] += nbytes / bandwidth
+        decode["flops_s"] += flops / flops_per_s
+        decode["floor_s"] += max(nbytes / bandwidth, flops / flops_per_s)
+        decode["compute_bound_steps"] += flops / flops_per_s > nbytes / bandwidth
+    return {"prompt": prompt, "decode": decode}
+# --8<-- [end:step_floors]
 
 
 def time_calls(fn: Callable[[], None], device: Any, iters: int, warmup: int,
@@ -710,10 +854,29 @@ def error_text(exc: BaseException) -> str:
 
 
 __all__ = [
-    "DEFAULT_OUTPUT_TOKENS", "DEFAULT_PROMPT_TOKENS", "ModelShape", "Workload",
-    "check_default_workload", "decode_steps", "dtype_bytes", "environment", "error_text",
-    "format_table", "has_weights", "is_default_workload", "kill_process_group", "load_hf_model",
-    "make_workload", "measure_copy_bandwidth", "measure_matmul_flops", "prepare_model_dir",
-    "resolve_device", "resolve_dtype_name", "run_worker", "subprocess_env",
-    "throughput_floor", "write_json",
+    "DEFAULT_OUTPUT_TOKENS",
+    "DEFAULT_PROMPT_TOKENS",
+    "ModelShape",
+    "Workload",
+    "check_default_workload",
+    "decode_steps",
+    "dtype_bytes",
+    "environment",
+    "error_text",
+    "format_table",
+    "has_weights",
+    "is_default_workload",
+    "kill_process_group",
+    "load_hf_model",
+    "make_workload",
+    "measure_copy_bandwidth",
+    "measure_matmul_flops",
+    "prepare_model_dir",
+    "resolve_device",
+    "resolve_dtype_name",
+    "run_worker",
+    "step_floors",
+    "subprocess_env",
+    "throughput_floor",
+    "write_json",
 ]

@@ -2,9 +2,12 @@
 
 What it measures: the wall time of one `generate` call over all requests (after one
 untimed warm-up request) for each backend, the output tokens per second that gives, the
-ratio between the backends, and how close each comes to the workload's floor: the bytes
-that must cross memory (KV reads and writes, one read of the weights per decode step)
-over a copy bandwidth measured at the start of the same run.
+ratio between the backends, and how close each comes to the workload's floor. The floor
+is counted step by step (`common.step_floors`): each prompt step and each decode step
+takes at least its bytes (KV reads and writes, its read of the weights) over a copy
+bandwidth, and at least its FLOPs over a matmul rate, both measured at the start of the
+same run; the floor is the sum of the longer of the two. The bytes alone give
+`byte_floor_s` (and `fraction_of_byte_floor`).
 
 The workload (see `common.make_workload`): 256 requests drawn after `random.seed(0)`,
 prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
@@ -16,6 +19,7 @@ On a GPU (random Qwen3-0.6B weights, bf16; every backend in its own process):
     python benchmarks/throughput.py --backends mini-vllm --output benchmarks/results/mine.json
     python benchmarks/throughput.py --model ./qwen3      # a real checkpoint directory
     python benchmarks/throughput.py --breakdown          # + GPU time by step kind and kernel
+    python benchmarks/throughput.py --preset llama3-8b --backends mini-vllm   # another family
 
 Backends that are not installed (vllm, nano-vllm) are skipped with the reason; a backend
 that fails records its error in the JSON and the others still run.
@@ -86,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model")
     model.add_argument("--model", default=None,
-                       help="a Hugging Face Qwen3 checkpoint directory (default: --preset)")
+                       help="a Hugging Face checkpoint directory (default: --preset)")
     model.add_argument("--preset", default="qwen3-0.6b",
                        help="random-weight preset when --model is not given: qwen3-0.6b, "
-                            "qwen3-8b, tiny")
+                            "qwen3-8b, tiny, or another family's shape: llama3-8b, "
+                            "qwen2.5-7b, mistral-7b, gpt2-xl, qwen3-30b-a3b (tiny-llama3 ...)")
     model.add_argument("--write-weights", action="store_true",
                        help="write the preset's random weights to disk instead of having "
                             "the engines make them up (load_format dummy)")
@@ -451,6 +456,7 @@ def summarize(results: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict
     ok = {b: r for b, r in results.items() if r.get("status") == "ok"}
     for r in ok.values():
         r["fraction_of_floor"] = floor["floor_s"] / r["wall_s"]
+        r["fraction_of_byte_floor"] = floor["byte_floor_s"] / r["wall_s"]
     return {f"{a} / {b}": ok[a]["output_tok_s"] / ok[b]["output_tok_s"]
             for a in ok for b in ok if a != b}
 
@@ -463,11 +469,15 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\nworkload: {wl['num_requests']} requests, {wl['prompt_tokens']:,} prompt / "
           f"{wl['output_tokens']:,} output tokens"
           + (" (the standard workload, counts checked)" if wl["standard"] else ""))
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; floor {floor['floor_s']:.3f} s = "
-          f"{floor['floor_output_tok_s']:,.0f} output tok/s (KV reads "
-          f"{floor['kv_read_bytes'] / 1e12:.2f} TB, KV writes "
-          f"{floor['kv_write_bytes'] / 1e9:.1f} GB, weights {floor['decode_steps']} x "
-          f"{floor['weight_bytes'] / 1e9:.2f} GB)")
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s; byte floor {floor['byte_floor_s']:.3f} s "
+          f"(KV reads {floor['kv_read_bytes'] / 1e12:.2f} TB, KV writes "
+          f"{floor['kv_write_bytes'] / 1e9:.1f} GB, weights {floor['decode_steps']} decode "
+          f"steps, {floor['weight_read_bytes'] / 1e12:.2f} TB)")
+    for kind, k in floor.get("step_kinds", {}).items():
+        print(f"  {kind} steps: {k['steps']:,}, bytes {k['bytes_s']:.3f} s, FLOPs "
+              f"{k['flops_s']:.3f} s at {floor['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+              f"floor {k['floor_s']:.3f} s")
+    print(f"floor {floor['floor_s']:.3f} s = {floor['floor_output_tok_s']:,.0f} output tok/s")
     first_ok = next((b for b, r in report["results"].items() if r.get("status") == "ok"), None)
     rows = []
     for backend, r in report["results"].items():
@@ -612,7 +622,8 @@ def throughput_floor_for(workload: Workload, shape: ModelShape, ns: argparse.Nam
     """The floor of this run (KV cache and weights in the run's dtype)."""
     return throughput_floor(workload, shape, dtype_bytes(ns.dtype),
                             copy["bandwidth_bytes_per_s"], max_num_seqs=ns.max_num_seqs,
-                            matmul_flops_per_s=matmul["flops_per_s"])
+                            matmul_flops_per_s=matmul["flops_per_s"],
+                            max_num_batched_tokens=ns.max_num_batched_tokens or 8192)
 
 
 if __name__ == "__main__":

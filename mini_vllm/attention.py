@@ -113,6 +113,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context.
 
@@ -130,12 +131,22 @@ def paged_attention(
 
     A prefill has `n == ctx`, a decode `n == 1`; both are this same mask.
 
+    With a `sliding_window` of `W` (Mistral), a token at position `p` sees
+    only the last `W` positions, `p - W + 1 .. p` (W = 3 below):
+
+                 cached:  0  1  2  3  4  5  6
+        new token 0 (pos 4)  .  .  x  x  x  .  .
+        new token 1 (pos 5)  .  .  .  x  x  x  .
+        new token 2 (pos 6)  .  .  .  .  x  x  x
+
     Args:
         q: `[T, num_heads, head_dim]` queries of the new tokens (after RoPE).
         k_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
         v_cache: same shape as `k_cache`.
         meta: the step's metadata.
         scale: softmax scale, usually `head_dim ** -0.5`.
+        sliding_window: the number of positions a token sees, itself
+            included; None for the whole context.
 
     Returns:
         `[T, num_heads, head_dim]`; rows of padding tokens (past
@@ -156,10 +167,12 @@ def paged_attention(
         k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, Hkv, D]
         v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx]
         mask = None
-        if n > 1:
+        if n > 1 or (sliding_window is not None and ctx > sliding_window):
             key_pos = torch.arange(ctx, device=q.device)
             query_pos = torch.arange(ctx - n, ctx, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [n, ctx], True = attend
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, n, D]
             k.transpose(0, 1),  # [Hkv, ctx, D]
@@ -202,12 +215,14 @@ class AttentionBackend(Protocol):
         scale: float,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attend `q` over the cache (which already holds this step's K/V).
 
         `key` / `value` are this step's new K/V `[T, Hkv, D]`: a backend may
         read them directly rather than the cache (a prompt with no cached
-        prefix has all its context right there).
+        prefix has all its context right there). `sliding_window`: each token
+        sees only that many positions, itself included (None: all).
         """
         ...
 
@@ -236,8 +251,9 @@ class TorchAttentionBackend:
         scale: float,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
 # --8<-- [end:backend]

@@ -326,6 +326,16 @@ def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
     Raises:
         ValueError: for an unknown preset or dtype, or a non-positive shard size.
     """
+    # The other families (Llama, Mistral, Qwen2, GPT-2, Qwen3-MoE, Qwen3 with YaRN)
+    # have presets of their own, written in their own formats.
+    from mini_vllm.models.presets import FAMILY_PRESETS, make_family_model
+
+    if preset in FAMILY_PRESETS:
+        return make_family_model(out_dir, preset, seed, dtype, max_shard_bytes, weights,
+                                 overrides)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of "
+                         f"{sorted(PRESETS) + sorted(FAMILY_PRESETS)}")
     config = preset_config(preset, dtype, overrides)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,10 @@ _ENGINE_ARG_HELP: dict[str, str] = {
     "engine_process": "run the engine's step loop in a process of its own, apart from the "
                       "HTTP server (default: on with a CUDA GPU, off on the CPU)",
 }
+# --chat-template (vLLM's flag): a template for a model without one, or instead of its own.
+_ENGINE_ARG_HELP["chat_template"] = (
+    "a jinja chat template file (or the template itself) to use instead of the model's; "
+    "a model without one (GPT-2) answers chat requests only with it")
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _CHOICES = {"dtype": _DTYPES, "load_format": ("auto", "dummy")}
@@ -284,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "random weights and the shipped tokenizer.")
     make.add_argument("out_dir", help="directory to write")
     make.add_argument("--preset", default="tiny",
-                      help="tiny, tiny-untied, qwen3-0.6b or qwen3-8b")
+                      help="tiny, tiny-untied, qwen3-0.6b, qwen3-8b, or another family's: "
+                           "tiny-llama3, llama3-8b, mistral-7b, qwen2.5-7b, gpt2-xl, "
+                           "qwen3-30b-a3b, ... (mini_vllm/models/presets.py)")
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--dtype", default=None, choices=_DTYPES[1:],
                       help="stored dtype (default: the preset's)")
@@ -449,6 +455,8 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         params = _sampling_params(ns)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if engine.tokenizer.chat_template is None:  # GPT-2: say so before the first prompt
+        raise UsageError("the model has no chat template: give one with --chat-template FILE")
     start = [{"role": "system", "content": ns.system}] if ns.system else []
     messages = list(start)
     print(f"Chatting with {engine.config.model}. /reset starts over, /exit or Ctrl-D quits.",

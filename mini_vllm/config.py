@@ -9,7 +9,7 @@ from vLLM-named engine arguments.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,36 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+# --8<-- [start:model_config]
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Qwen3 model, as its `config.json` describes it.
+    """The shape of a model, as its `config.json` describes it.
 
-    Attributes mirror Hugging Face's `Qwen3Config` names. `head_dim` is
-    independent of `hidden_size / num_attention_heads` (Qwen3-0.6B has
-    hidden 1024, 16 heads and head_dim 128).
+    One dataclass for every family: the fields every decoder has, then what
+    only some families set (each default is "this family does not have it").
+    Names are Hugging Face's (`config.json` of Llama, Qwen2/3, Mistral); a
+    family that names a field differently (GPT-2's `n_embd`, `n_layer` ...)
+    is translated when it is read (`from_dict`). `head_dim` is independent of
+    `hidden_size / num_attention_heads` (Qwen3-0.6B has hidden 1024, 16 heads
+    and head_dim 128).
+
+    Attributes:
+        architecture: the registry's name of the model class (`config.json`'s
+            `architectures`, e.g. `"LlamaForCausalLM"`).
+        rope_scaling: `None` (plain RoPE) or the checkpoint's scaling
+            parameters with their `rope_type` (`"llama3"`, `"yarn"`).
+        attention_bias: biases on q, k, v and o (Llama's flag; Qwen2 has
+            q/k/v biases whatever it says).
+        sliding_window: the window of the layers whose `layer_types` entry is
+            `"sliding_attention"` (Mistral: every layer), or None.
+        layer_types: per layer, `"full_attention"` or `"sliding_attention"`.
+        layer_norm_epsilon: GPT-2's LayerNorm epsilon (RMSNorm families use
+            `rms_norm_eps`).
+        scale_attn_weights, scale_attn_by_inverse_layer_idx: GPT-2's softmax
+            scale: `head_dim ** -0.5`, further divided by `layer + 1`.
+        num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+        decoder_sparse_step, mlp_only_layers: Qwen3-MoE's experts (0 experts:
+            a dense model).
     """
 
     vocab_size: int
@@ -63,6 +86,23 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
+    architecture: str = "Qwen3ForCausalLM"
+    hidden_act: str = "silu"
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+# --8<-- [end:model_config]
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -76,40 +116,55 @@ class ModelConfig:
                 f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"config.json: sliding_window must be positive, "
+                             f"got {self.sliding_window}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"config.json: layer_types has {len(self.layer_types)} entries "
+                             f"for {self.num_hidden_layers} layers")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"config.json: layer_types {bad} are not supported "
+                             "(full_attention, sliding_attention)")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"config.json: num_experts_per_tok must be in 1.."
+                                 f"{self.num_experts}, got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError("config.json: moe_intermediate_size and decoder_sparse_step "
+                                 "must be positive")
+
+    # --8<-- [start:per_layer]
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer`, or None (the whole context)."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has experts (Qwen3-MoE's rule) or a dense MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+    # --8<-- [end:per_layer]
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed `config.json` (Hugging Face Qwen3 format)."""
-        archs = cfg.get("architectures") or ["Qwen3ForCausalLM"]
-        if cfg.get("model_type", "qwen3") != "qwen3" or "Qwen3ForCausalLM" not in archs:
-            raise ValueError(
-                f"config.json: only Qwen3 dense models are supported, got model_type="
-                f"{cfg.get('model_type')!r} architectures={archs}"
-            )
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling")
-        rope_type = (scaling or {}).get("rope_type") or rope.get("rope_type") or "default"
-        if rope_type != "default":
-            raise ValueError(f"config.json: rope type {rope_type!r} is not supported")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
-        if missing:
-            raise ValueError(f"config.json: missing required fields {missing}")
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        )
+        """Build from a parsed `config.json`, in its family's own field names.
+
+        Raises:
+            ValueError: for an architecture the registry does not know, a
+                missing field, or a setting no model here implements (each
+                message names the field).
+        """
+        from mini_vllm.models.registry import resolve_architecture
+
+        archs = cfg.get("architectures") or [_ARCH_OF_MODEL_TYPE.get(
+            cfg.get("model_type", "qwen3"), str(cfg.get("model_type")))]
+        architecture = resolve_architecture(archs)
+        read = _read_gpt2 if architecture == "GPT2LMHeadModel" else _read_decoder
+        return cls(architecture=architecture,
+                   torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+                   **read(architecture, cfg))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -117,7 +172,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: naming the missing file.
-            ValueError: naming the file when it is not valid JSON or not Qwen3.
+            ValueError: naming the file when it is not valid JSON, or what the
+                checkpoint asks for that is not supported.
         """
         file = Path(path) / "config.json"
         if not file.is_file():
@@ -132,6 +188,123 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers (at 2 bytes per value)."""
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 2
+
+
+_ARCH_OF_MODEL_TYPE = {
+    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel",
+}
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+# --8<-- [start:family_defaults]
+# What each family's config class assumes when config.json leaves a field out.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3ForCausalLM": {"rope_theta": 1_000_000.0, "max_position_embeddings": 40960,
+                         "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"rope_theta": 10_000.0, "max_position_embeddings": 32768,
+                            "head_dim": 128},
+    "LlamaForCausalLM": {"rope_theta": 10_000.0, "max_position_embeddings": 2048},
+    "MistralForCausalLM": {"rope_theta": 10_000.0, "max_position_embeddings": 4096 * 32,
+                           "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"rope_theta": 10_000.0, "max_position_embeddings": 32768},
+}
+# --8<-- [end:family_defaults]
+
+
+def _rope(cfg: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """`(rope_theta, rope_scaling)` from either way config.json writes them: the
+    classic `rope_theta` + `rope_scaling`, or transformers 5's `rope_parameters`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", default_theta))
+    scaling = dict(cfg.get("rope_scaling") or params)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _required(cfg: dict[str, Any], names: tuple[str, ...]) -> None:
+    missing = [k for k in names if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json: missing required fields {missing}")
+
+
+def _read_decoder(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Llama-shaped decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE)."""
+    _required(cfg, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"))
+    defaults = _FAMILY_DEFAULTS[architecture]
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    theta, scaling = _rope(cfg, defaults["rope_theta"])
+    window: int | None = cfg.get("sliding_window", defaults.get("sliding_window"))
+    if architecture == "MistralForCausalLM":
+        layer_types = ["sliding_attention"] * layers if window is not None else []
+    elif cfg.get("use_sliding_window", False):  # Qwen2 / Qwen3: windows from a layer on
+        if architecture != "Qwen2ForCausalLM":
+            raise ValueError("config.json: use_sliding_window is supported for Qwen2 only")
+        first = cfg.get("max_window_layers", 28)
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    else:
+        window, layer_types = None, []
+    moe = architecture == "Qwen3MoeForCausalLM"
+    if moe:
+        if "num_experts" not in cfg and "num_local_experts" in cfg:  # transformers 5's name
+            cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
+        _required(cfg, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+    return {
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or defaults.get("head_dim") or cfg["hidden_size"] // heads,
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": cfg.get("max_position_embeddings",
+                                           defaults["max_position_embeddings"]),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+        "hidden_act": cfg.get("hidden_act", "silu"),
+        "attention_bias": cfg.get("attention_bias", False),
+        "mlp_bias": cfg.get("mlp_bias", False),
+        "sliding_window": window if layer_types else None,
+        "layer_types": tuple(layer_types),
+        "num_experts": cfg["num_experts"] if moe else 0,
+        "num_experts_per_tok": cfg["num_experts_per_tok"] if moe else 0,
+        "moe_intermediate_size": cfg["moe_intermediate_size"] if moe else 0,
+        "norm_topk_prob": cfg.get("norm_topk_prob", False) if moe else False,
+        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1) if moe else 1,
+        "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()) if moe else (),
+    }
+
+
+def _read_gpt2(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's fields, under its own names (`n_embd`, `n_layer`, `n_head`, ...)."""
+    _required(cfg, ("vocab_size", "n_embd", "n_layer", "n_head"))
+    hidden, heads = cfg["n_embd"], cfg["n_head"]
+    if hidden % heads:
+        raise ValueError(f"config.json: n_embd ({hidden}) must be a multiple of n_head ({heads})")
+    return {
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": cfg.get("n_inner") or 4 * hidden,
+        "num_hidden_layers": cfg["n_layer"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,  # no grouped-query attention
+        "head_dim": hidden // heads,
+        "max_position_embeddings": cfg.get("n_positions", 1024),
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
+        "hidden_act": cfg.get("activation_function", "gelu_new"),
+        "layer_norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
+        "scale_attn_weights": cfg.get("scale_attn_weights", True),
+        "scale_attn_by_inverse_layer_idx": cfg.get("scale_attn_by_inverse_layer_idx", False),
+    }
 
 
 @dataclass(frozen=True)
@@ -231,6 +404,12 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Raise a `ValueError` naming the field when `model` cannot be split this way."""
         n = self.tensor_parallel_size
+        if n > 1:
+            from mini_vllm.models.registry import supports_tensor_parallel
+
+            if not supports_tensor_parallel(model.architecture):
+                raise ValueError(f"tensor_parallel_size ({n}): {model.architecture} runs on "
+                                 "one rank only (its weights are not split yet)")
         for name in ("num_attention_heads", "intermediate_size"):
             if getattr(model, name) % n:
                 raise ValueError(f"tensor_parallel_size ({n}) must divide the model's "
@@ -283,6 +462,7 @@ class EngineConfig:
     async_scheduling: bool = False
     engine_process: bool = False
     parallel_config: ParallelConfig = ParallelConfig()
+    chat_template: str | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -318,6 +498,10 @@ class EngineArgs:
     Ray actors (`"ray"`); `data_parallel_size` runs that many engine replicas
     as Ray actors behind one server (`mini-vllm serve` only). See
     `ParallelConfig` (Part IV).
+
+    `chat_template`: a file holding a jinja chat template, or the template
+    itself, used instead of the checkpoint's (a model without one, GPT-2,
+    answers chat requests only with it).
     """
 
     model: str | None = None
@@ -343,6 +527,7 @@ class EngineArgs:
     load_format: str = "auto"
     async_scheduling: bool | None = None
     engine_process: bool | None = None
+    chat_template: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -370,6 +555,11 @@ class EngineArgs:
         model_dir = str(resolve_model_dir(self.model))
         model_config = ModelConfig.from_pretrained(model_dir)
         parallel_config.check_model(model_config)
+        chat_template = None
+        if self.chat_template is not None:
+            from mini_vllm.tokenizer import load_chat_template
+
+            chat_template = load_chat_template(self.chat_template)
 
         if self.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +624,7 @@ class EngineArgs:
             engine_process=(device.type == "cuda" if self.engine_process is None
                             else self.engine_process),
             parallel_config=parallel_config,
+            chat_template=chat_template,
         )
 
 

@@ -29,7 +29,8 @@ class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
     Args:
-        model: a Hugging Face Qwen3 checkpoint directory; `None` for the
+        model: a Hugging Face checkpoint directory (Qwen3, Llama, Mistral, Qwen2,
+            GPT-2, Qwen3-MoE: `models.supported_architectures()`); `None` for the
             embedded tiny model.
         **engine_args: any `EngineArgs` field (`dtype`, `max_num_seqs`,
             `enable_prefix_caching`, `num_gpu_blocks_override`, ...).
@@ -110,14 +111,21 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Like `generate`, for one conversation or a list of them (chat template applied)."""
+        """Like `generate`, for one conversation or a list of them (chat template applied).
+
+        The rendered text is tokenized without the tokenizer's own special tokens:
+        a template that wants a BOS (Llama 3's) writes it itself.
+
+        Raises:
+            NoChatTemplateError: the model has no chat template (pass `chat_template=`).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [
-            tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                    **(chat_template_kwargs or {}))
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
     # --8<-- [end:chat]
 

@@ -114,7 +114,7 @@ class ModelRunner:
             KV cache of that rank's KV heads.
 
     Attributes:
-        model: the loaded `Qwen3ForCausalLM`.
+        model: the loaded model (the class `config.json` names, from the registry).
         kv_caches: per layer `(k_cache, v_cache)`, each
             `[num_blocks, block_size, num_kv_heads, head_dim]`, views of one tensor.
         num_blocks: KV blocks in the cache (block 0 is the padding block), the

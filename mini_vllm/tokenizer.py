@@ -116,8 +116,34 @@ def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# --8<-- [start:no_template]
+class NoChatTemplateError(ValueError):
+    """A conversation was to be rendered, and the model has no chat template."""
+
+
+def load_chat_template(value: str | Path) -> str:
+    """A `--chat-template` argument as template text: the file it names, or the
+    template itself when it is one (it holds a `{` or a newline), as vLLM reads it.
+
+    Raises:
+        ValueError: naming the argument when it looks like a path that cannot be read.
+    """
+    text = str(value)
+    path = Path(text).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a name too long to be a path: a template given inline
+        pass
+    if any(c in text for c in "{\n"):
+        return text
+    raise ValueError(f"chat_template: {text!r} is neither a readable file nor a template")
+# --8<-- [end:no_template]
+
+
 class Tokenizer:
-    """A Qwen3 tokenizer read from a Hugging Face checkpoint directory.
+    """A checkpoint's tokenizer (Qwen3's byte-level BPE, Llama 3's, GPT-2's, ...),
+    read from a Hugging Face checkpoint directory.
 
     Attributes:
         path: the directory it was read from.
@@ -153,11 +179,13 @@ class Tokenizer:
 
     # --8<-- [start:from_pretrained]
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
         """Read `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 
-        The chat template comes from `chat_template.jinja` when the directory has one
-        (newer `transformers` saves it there), else from `tokenizer_config.json`.
+        The chat template is `chat_template` when given (the text of a template:
+        `--chat-template`, see `load_chat_template`); else `chat_template.jinja`
+        when the directory has one (newer `transformers` saves it there), else
+        `tokenizer_config.json`'s, else there is none (GPT-2).
 
         Raises:
             FileNotFoundError: when the directory or its `tokenizer.json` is missing.
@@ -181,6 +209,8 @@ class Tokenizer:
             template = named.get("default")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if chat_template is not None:
+            template = chat_template
         return cls(backend, config, generation, template, path)
     # --8<-- [end:from_pretrained]
 
@@ -216,7 +246,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token strings in the text (`<|im_start|>`) map to
-        their ids. Qwen3 adds no BOS, so `add_special_tokens` changes nothing for it."""
+        their ids. `add_special_tokens` applies the tokenizer's post-processor: Llama 3
+        and Mistral prepend their BOS; Qwen3 and GPT-2 add nothing."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False
@@ -246,11 +277,13 @@ class Tokenizer:
             **template_kwargs: extra template variables, e.g. `enable_thinking=False`.
 
         Raises:
-            ValueError: when the checkpoint has no chat template, a message is malformed
-                or the template rejects the conversation.
+            NoChatTemplateError: when the checkpoint has no chat template and none was given.
+            ValueError: when a message is malformed or the template rejects the conversation.
         """
         if self._template is None:
-            raise ValueError(f"the tokenizer in {self.path} has no chat template")
+            raise NoChatTemplateError(
+                f"the model's tokenizer ({self.path}) has no chat template: give one with "
+                "--chat-template FILE (chat_template= in LLM), or send a completion instead")
         context = {
             **{k: v for k, v in self._special_tokens.items() if v is not None},
             **template_kwargs,
@@ -360,4 +393,5 @@ class IncrementalDetokenizer:
     # --8<-- [end:final_text]
 
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "compile_chat_template"]
+__all__ = ["IncrementalDetokenizer", "NoChatTemplateError", "Tokenizer", "compile_chat_template",
+           "load_chat_template"]

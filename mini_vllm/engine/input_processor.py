@@ -52,7 +52,8 @@ class InputProcessor:
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
-        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path)
+        self.tokenizer = Tokenizer.from_pretrained(engine_config.tokenizer_path,
+                                                   chat_template=engine_config.chat_template)
         self.generation_config = load_generation_config(engine_config.model)
         self.vocab_size = engine_config.model_config.vocab_size
         self.max_model_len = engine_config.scheduler_config.max_model_len
@@ -73,15 +74,17 @@ class InputProcessor:
                 token id outside the vocabulary, prompt or prompt + max_tokens
                 longer than max_model_len, bad sampling value).
         """
+        text: str | None = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("prompt: a dict prompt needs 'prompt_token_ids'")
+            text = prompt.get("prompt")  # the text the ids came from, if known
             prompt = list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+            # A text prompt gets the tokenizer's special tokens (Llama's BOS), as in vLLM.
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            text = None
             token_ids = list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:

@@ -48,6 +48,7 @@ from mini_vllm.entrypoints.serving_engine import (
     token_text,
 )
 from mini_vllm.outputs import CompletionOutput, RequestOutput
+from mini_vllm.tokenizer import NoChatTemplateError
 
 # Arguments of `apply_chat_template` that `chat_template_kwargs` may not override.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
@@ -108,6 +109,8 @@ class OpenAIServingChat(OpenAIServing):
             return str(self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.add_generation_prompt, tokenize=False,
                 **kwargs))
+        except NoChatTemplateError as e:  # a model without one (GPT-2)
+            raise OpenAIError(400, str(e), param="messages") from None
         except (jinja2.TemplateError, ValueError) as e:
             raise OpenAIError(400, f"the chat template refused the messages: {e}",
                               param="messages") from None

@@ -212,8 +212,19 @@ class CudaAttentionBackend:
         scale: float,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Decodes through the decode kernel, the rest through prefill attention."""
+        """Decodes through the decode kernel, the rest through prefill attention.
+
+        Raises:
+            ValueError: for a `sliding_window` that a context of this step exceeds:
+                the kernels attend to whole contexts (the GPU runner refuses such
+                a model at start, see `check_sliding_window`).
+        """
+        if sliding_window is not None and meta.max_context_len > sliding_window:
+            raise ValueError(f"sliding_window: a context of {meta.max_context_len} tokens "
+                             f"exceeds the window of {sliding_window}, which the GPU "
+                             "attention kernels do not apply")
         if isinstance(meta, CudaAttentionMetadata) and meta.split is not None:
             return meta.split(self, q, k_cache, v_cache, scale, key, value)
         if not isinstance(meta, CudaAttentionMetadata):  # plain metadata: one path for all
@@ -268,6 +279,27 @@ class CudaAttentionBackend:
 # --8<-- [end:backend]
 
 
+# --8<-- [start:check_window]
+def check_sliding_window(sliding_window: int | None, max_model_len: int) -> None:
+    """Refuse a model whose attention window could bind on the GPU.
+
+    The decode and prefill kernels attend to a sequence's whole context. A
+    window that no sequence can outgrow (`max_model_len <= sliding_window`)
+    changes nothing, so such a model runs on them exactly; a wider context
+    would need the window in every kernel, which they do not have yet.
+
+    Raises:
+        ValueError: naming both lengths and the two ways around it.
+    """
+    if sliding_window is not None and max_model_len > sliding_window:
+        raise ValueError(
+            f"sliding_window: the model attends to a window of {sliding_window} tokens, "
+            "which the GPU attention kernels do not apply; pass max_model_len <= "
+            f"{sliding_window} (got {max_model_len}), where the window never binds, or run "
+            "on the CPU")
+# --8<-- [end:check_window]
+
+
 def select_attention_backend(
     device: torch.device, dtype: torch.dtype, head_dim: int, group: int | None = None
 ) -> CudaAttentionBackend | None:
@@ -294,6 +326,7 @@ __all__ = [
     "AttentionSplit",
     "CudaAttentionBackend",
     "CudaAttentionMetadata",
+    "check_sliding_window",
     "decode_attention_torch",
     "select_attention_backend",
     "write_kv_cache_torch",

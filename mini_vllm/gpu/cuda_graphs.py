@@ -604,6 +604,7 @@ class PiecewiseGraphRunner:
         def split(backend: CudaAttentionBackend, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, scale: float, key: torch.Tensor | None,
                   value: torch.Tensor | None) -> torch.Tensor:
+            q, key, value = self._stage(q, key, value, size)  # (recorded in this piece)
             pieces[-1].capture_end()  # this piece ends where attention begins
             calls.append(_AttentionCall(backend, q, k_cache, v_cache, scale, key, value))
             pieces.append(torch.cuda.CUDAGraph())
@@ -617,6 +618,23 @@ class PiecewiseGraphRunner:
             pieces[-1].capture_end()
         self.pieces[size], self.calls[size], self.outputs[size] = pieces, calls, out
     # --8<-- [end:piecewise_capture]
+
+    def _stage(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+               size: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`q`, `key` and `value` as views of `qkv_out`, copied there when the forward
+        wrote them elsewhere (a model without the fused forward, GPT-2): attention
+        reads them after their piece ends, so each layer's own tensors would stay
+        allocated in the graphs' memory for every layer and every size."""
+        buf = self.qkv_out[:size]
+        start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        if key is None or value is None or start <= q.data_ptr() < end:
+            return q, key, value
+        hq, hkv, d = q.shape[1], key.shape[1], q.shape[2]
+        q_buf, k_buf, v_buf = buf.split([hq * d, hkv * d, hkv * d], dim=-1)
+        staged = (q_buf.view(size, hq, d), k_buf.view(size, hkv, d), v_buf.view(size, hkv, d))
+        for dst, src in zip(staged, (q, key, value)):
+            dst.copy_(src)
+        return staged
 
     # --8<-- [start:piecewise_replay]
     def run(self, token_inputs: torch.Tensor, meta: CudaAttentionMetadata, num_tokens: int,

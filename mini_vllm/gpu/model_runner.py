@@ -29,6 +29,7 @@ from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.gpu.attention import (
     CudaAttentionBackend,
     CudaAttentionMetadata,
+    check_sliding_window,
     select_attention_backend,
 )
 from mini_vllm.gpu.cuda_graphs import (
@@ -179,10 +180,21 @@ class GPUModelRunner(ModelRunner):
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.graph_memory_bytes = 0  # what the CUDA graphs' memory pool holds
         if self.device.type == "cuda" and not engine_config.enforce_eager:
-            self._capture_cuda_graphs()
+            # A block that reads device data on the host (the experts' loop, where
+            # PyTorch has no grouped GEMM for this GPU) cannot run inside a graph.
+            held = [type(m).__name__ for m in self.model.modules()
+                    if not getattr(m, "capturable", True)]
+            if held:
+                logger.warning("%s cannot run inside a CUDA graph here: every step runs "
+                               "eagerly", held[0])
+            else:
+                self._capture_cuda_graphs()
 
     def _attention_backend(self) -> CudaAttentionBackend | None:
         cfg = self.model_config
+        if self.device.type == "cuda" and cfg.layer_types:
+            check_sliding_window(cfg.sliding_window,
+                                 self.engine_config.scheduler_config.max_model_len)
         return select_attention_backend(self.device, self.dtype, cfg.head_dim,
                                         self.num_heads // self.num_kv_heads)
 
@@ -202,6 +214,9 @@ class GPUModelRunner(ModelRunner):
         widest = 4 * cfg.hidden_size + 3 * cfg.intermediate_size // world + (
             self.num_heads + 2 * self.num_kv_heads
         ) * cfg.head_dim
+        if cfg.num_experts:  # each token's k expert rows: gathered input, gate|up, act, out
+            widest += cfg.num_experts_per_tok * (2 * cfg.hidden_size
+                                                 + 3 * cfg.moe_intermediate_size)
         activations = sched_cfg.max_num_batched_tokens * widest * self.dtype.itemsize
         logits = 2 * sched_cfg.max_num_seqs * cfg.vocab_size * 4
         # The piecewise graphs' QKV buffer, which attention reads between two

@@ -1,4 +1,4 @@
-"""The gated activation of a SwiGLU MLP."""
+"""Activations: the gated SiLU of a SwiGLU MLP, and GELU for GPT-2's MLP."""
 
 from __future__ import annotations
 
@@ -28,4 +28,42 @@ class SiluAndMul(CustomOp):
         return layer_ops.silu_and_mul(x)
 
 
-__all__ = ["SiluAndMul"]
+# --8<-- [start:gelu]
+class GELU(CustomOp):
+    """`x * Phi(x)`, `Phi` the normal CDF; GPT-2 uses the tanh approximation:
+
+        gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+
+    Args:
+        approximate: `"tanh"` (GPT-2's `gelu_new`) or `"none"` (the exact erf form).
+    """
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate=self.approximate)
+# --8<-- [end:gelu]
+
+
+# A checkpoint's `hidden_act` / `activation_function` -> the activation block.
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+                "gelu": "none"}
+
+
+def get_act_fn(name: str) -> GELU:
+    """The (ungated) activation a config names (`"gelu_new"`, `"gelu"`, ...).
+
+    Raises:
+        ValueError: naming an activation no model here implements.
+    """
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"config.json: activation {name!r} is not supported "
+                         f"({', '.join(sorted(_ACTIVATIONS))})")
+    return GELU(_ACTIVATIONS[name])
+
+
+__all__ = ["GELU", "SiluAndMul", "get_act_fn"]

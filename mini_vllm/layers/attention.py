@@ -27,6 +27,8 @@ class Attention(nn.Module):
         head_dim: size of one head.
         scale: softmax scale.
         backend: how to write and read the cache; the torch reference by default.
+        sliding_window: each token attends to this many positions, itself
+            included (Mistral); None for the whole context.
     """
 
     def __init__(
@@ -36,6 +38,7 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         backend: AttentionBackend | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -43,6 +46,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend: AttentionBackend = backend or TorchAttentionBackend()
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -55,7 +59,8 @@ class Attention(nn.Module):
         """Attend the new tokens `q [T, Hq, D]` (with `k`, `v` `[T, Hkv, D]`) -> `[T, Hq, D]`."""
         k_cache, v_cache = kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+        return self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k, v,
+                                            sliding_window=self.sliding_window)
 # --8<-- [end:attention_layer]
 
 

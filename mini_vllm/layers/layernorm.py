@@ -1,4 +1,5 @@
-"""RMSNorm, and the "add the residual, then normalise" step between sub-layers."""
+"""RMSNorm, and the "add the residual, then normalise" step between sub-layers;
+LayerNorm (with a bias) for GPT-2."""
 
 from __future__ import annotations
 
@@ -59,4 +60,31 @@ class RMSNorm(CustomOp):
         return normed.view(shape), residual.view(shape)
 
 
-__all__ = ["RMSNorm"]
+# --8<-- [start:layernorm]
+class LayerNorm(CustomOp):
+    """`(x - mean(x)) / sqrt(var(x) + eps) * weight + bias`, over the last dim (GPT-2).
+
+    Unlike RMSNorm it centres the row and adds a bias. (PyTorch's kernel
+    accumulates in float32 whatever the dtype, as Hugging Face's `nn.LayerNorm`.)
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype),
+                                 requires_grad=False)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+# --8<-- [end:layernorm]
+
+
+__all__ = ["LayerNorm", "RMSNorm"]

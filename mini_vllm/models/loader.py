@@ -1,5 +1,6 @@
-"""Load a Hugging Face safetensors checkpoint into our Qwen3.
+"""Load a Hugging Face safetensors checkpoint into the model its config names.
 
+The model class comes from the registry (`config.json`'s `architectures`).
 A checkpoint is one `model.safetensors` or several shards listed by
 `model.safetensors.index.json`. Every checkpoint tensor is copied into
 exactly one slice of one model parameter, converting dtype on the way, by
@@ -11,7 +12,15 @@ parallelism a block takes only its rank's rows or columns of the tensor.
     model.layers.0.self_attn.v_proj.weight ─┘
     model.layers.0.mlp.gate_proj.weight ────┬─> rows of model.layers.0.mlp.gate_up_proj.weight
     model.layers.0.mlp.up_proj.weight ──────┘
+    model.layers.0.mlp.experts.5.up_proj.weight ─> w13[5, I:] of model.layers.0.mlp.experts
+    h.0.attn.c_attn.weight  [in, out] ──(.T)────> transformer.h.0.attn.c_attn.weight
     everything else ──────────────────────────> the parameter of the same name
+
+What a model class may declare for its checkpoints (all optional):
+`packed_modules_mapping` (fused modules), `transposed_weights` (Conv1D
+weights stored `[in, out]`), `base_model_prefix` (a prefix some checkpoints
+leave out), `ignored_suffixes` (buffers stored but not loaded); a module
+with a `checkpoint_targets(prefix)` method (the experts) maps its own.
 
 Anything missing, unexpected or of the wrong shape is an error that names
 the tensor (and the file), never a silently random weight.
@@ -30,9 +39,9 @@ from torch import nn
 from mini_vllm.attention import AttentionBackend
 from mini_vllm.config import ModelConfig
 from mini_vllm.distributed.parallel_state import ParallelContext
-from mini_vllm.layers import select_implementations
+from mini_vllm.layers import LayerNorm, RMSNorm, select_implementations
 from mini_vllm.layers.linear import copy_checked
-from mini_vllm.models.qwen3 import Qwen3ForCausalLM
+from mini_vllm.models.registry import get_model_class, supports_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -76,7 +85,8 @@ def find_safetensors_files(model_dir: str | Path) -> list[Path]:
 # --8<-- [start:targets]
 # Where one checkpoint tensor goes: the module that owns the parameter, the
 # parameter, and which of the module's stacked projections it is (or None).
-WeightTarget = tuple[nn.Module, nn.Parameter, int | None]
+# (None for a view a module handed over itself: its experts' stacked weights).
+WeightTarget = tuple[nn.Module | None, torch.Tensor, int | None]
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:
@@ -93,12 +103,22 @@ def checkpoint_targets(model: nn.Module) -> dict[str, WeightTarget]:
 
     A tied `lm_head.weight` is the embedding's parameter and is listed once
     (as `model.embed_tokens.weight`), so a tied checkpoint needs no lm_head.
+    A module with a `checkpoint_targets(prefix)` method (`FusedMoE`) names
+    the targets of its own parameters.
     """
     packed: Mapping[str, tuple[str, ...]] = getattr(model, "packed_modules_mapping", {})
     modules = dict(model.named_modules())
     targets: dict[str, WeightTarget] = {}
+    own: set[str] = set()  # modules that map their own parameters (to views of them)
+    for module_name, module in modules.items():
+        if module is not model and hasattr(module, "checkpoint_targets"):
+            targets.update({name: (None, view, None) for name, view
+                            in module.checkpoint_targets(module_name).items()})
+            own.add(module_name)
     for name, param in model.named_parameters():  # shared parameters appear once
         module_name, _, leaf = name.rpartition(".")
+        if module_name in own:
+            continue
         parent, _, short = module_name.rpartition(".")
         module = modules[module_name]
         if short not in packed:
@@ -121,7 +141,7 @@ def load_tensor(target: WeightTarget, tensor: torch.Tensor) -> None:
     if loader is not None:
         loader(param, tensor, shard_id)
     else:
-        copy_checked(param.data, tensor)
+        copy_checked(param.data, tensor)  # (a view's .data is the view)
 # --8<-- [end:targets]
 
 
@@ -133,10 +153,22 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, Path, torch.Tenso
                 yield name, file, f.get_tensor(name)
 
 
-def _ignored(name: str, tied: bool) -> bool:
+def _ignored(name: str, tied: bool, suffixes: tuple[str, ...]) -> bool:
     # Tied checkpoints sometimes carry a copy of the embedding as lm_head;
-    # old ones store RoPE's inv_freq, which we compute.
-    return (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+    # old ones store RoPE's inv_freq, which we compute; `suffixes` are the
+    # model class's own buffers (GPT-2's causal masks).
+    return ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+            or name.endswith(suffixes))
+
+
+# --8<-- [start:target_of]
+def _target_name(name: str, targets: Mapping[str, torch.Tensor], prefix: str) -> str:
+    """The model's name for checkpoint tensor `name`: itself, or with the model's
+    `base_model_prefix` put back (`h.0.ln_1.weight` -> `transformer.h.0.ln_1.weight`)."""
+    if name not in targets and prefix and f"{prefix}.{name}" in targets:
+        return f"{prefix}.{name}"
+    return name
+# --8<-- [end:target_of]
 
 
 # --8<-- [start:load_weights]
@@ -156,11 +188,17 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """
     targets = checkpoint_targets(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    transposed: tuple[str, ...] = tuple(getattr(model, "transposed_weights", ()))
+    prefix: str = getattr(model, "base_model_prefix", "")
+    ignored: tuple[str, ...] = tuple(getattr(model, "ignored_suffixes", ()))
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, file, tensor in _iter_checkpoint(find_safetensors_files(model_dir)):
-        if _ignored(name, tied):
+        if _ignored(name, tied, ignored):
             continue
+        name = _target_name(name, targets, prefix)
+        if name.endswith(transposed):
+            tensor = tensor.t()  # a Conv1D weight [in, out] -> [out, in]
         target = targets.get(name)
         if target is None:
             unexpected.append(f"{name} (in {file.name})")
@@ -194,9 +232,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     values that do not matter for speed, drawn on the weights' own device so
     an 8B model fills in a moment (benchmarks with `load_format="dummy"`).
     """
-    for i, (name, param) in enumerate(model.named_parameters()):
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, LayerNorm))}
+    for i, (_, param) in enumerate(model.named_parameters()):
         gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)
-        if name.endswith("norm.weight"):
+        if id(param) in norm_weights:
             param.normal_(1.0, 0.1, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
@@ -212,8 +251,8 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     parallel: ParallelContext | None = None,
-) -> Qwen3ForCausalLM:
-    """Build a `Qwen3ForCausalLM` on `device` in `dtype` and load its weights.
+) -> nn.Module:
+    """Build the model `config.json` names on `device` in `dtype` and load its weights.
 
     Args:
         model_dir: the checkpoint directory.
@@ -242,8 +281,14 @@ def load_model(
         model_config = ModelConfig.from_pretrained(model_dir)
     # Weights are allocated empty, directly on the device and in the target
     # dtype: no random init, no float32 copy of a bfloat16 model.
-    model = Qwen3ForCausalLM(model_config, attn_backend, device=device, dtype=dtype,
-                             parallel=parallel)
+    model_cls = get_model_class(model_config.architecture)
+    if parallel is not None and parallel.world_size > 1:
+        if not supports_tensor_parallel(model_config.architecture):
+            raise ValueError(f"{model_config.architecture} does not run tensor-parallel yet")
+        model = model_cls(model_config, attn_backend, device=device, dtype=dtype,
+                          parallel=parallel)
+    else:
+        model = model_cls(model_config, attn_backend, device=device, dtype=dtype)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -38,6 +38,7 @@ from mini_vllm.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    get_rope,
 )
 
 
@@ -191,8 +192,9 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    parallel, device, dtype)
-        rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                     config.rope_theta, device)
+        # Plain RoPE, or YaRN where config.json asks for it (Qwen3's long contexts).
+        rotary_emb = get_rope(config.head_dim, config.max_position_embeddings,
+                              config.rope_theta, config.rope_scaling, device)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, rotary_emb, backend, device, dtype, parallel)
             for _ in range(config.num_hidden_layers)

@@ -98,6 +98,15 @@ def test_parallel_blocks_at_one_rank_are_the_plain_ones() -> None:
     assert ParallelLMHead(64, 2369, tied_to=emb).weight is emb.weight
 
 
+def test_families_that_do_not_split_are_refused(tmp_path: Path) -> None:
+    """GPT-2 (q/k/v stored as one tensor) and Qwen3-MoE (experts not split) run on one
+    rank: asking for more is a clear error before anything starts."""
+    for preset in ("tiny-gpt2", "tiny-qwen3-moe"):
+        model_dir = make_model(tmp_path / preset, preset=preset)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\): .* one rank only"):
+            EngineArgs(str(model_dir), tensor_parallel_size=2).create_engine_config()
+
+
 def test_bad_parallel_arguments_are_clear_errors(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineArgs(str(tiny_model_dir), tensor_parallel_size=0).create_engine_config()
@@ -112,10 +121,24 @@ def test_bad_parallel_arguments_are_clear_errors(tiny_model_dir: Path) -> None:
 
 # ---- greedy tokens and logits across ranks ----------------------------------------------
 
+@pytest.fixture(scope="module")
+def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2: Llama's layer with q/k/v biases (split with their rows) and a tied head."""
+    return make_model(tmp_path_factory.mktemp("tiny-qwen2"), preset="tiny-qwen2", seed=4)
+
+
+@pytest.fixture(scope="module")
+def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3 with its llama3 RoPE scaling and an untied head."""
+    return make_model(tmp_path_factory.mktemp("tiny-llama3"), preset="tiny-llama3", seed=5)
+
+
 @pytest.mark.parametrize(("model", "tp"), [
     ("tiny_model_dir", 2),  # KV heads split: one each
     ("tiny_model_dir", 4),  # 2 KV heads over 4 ranks: each replicated twice
     ("odd_model_dir", 2),  # one KV head replicated; vocabulary padded; untied head
+    ("qwen2_model_dir", 2),  # another family: biases on q, k, v; the o_proj has none
+    ("llama_model_dir", 2),
 ])
 def test_tp_matches_one_rank(model: str, tp: int, request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(model)
