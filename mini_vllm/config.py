@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mini_vllm.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -236,6 +239,7 @@ class EngineConfig:
     load_format: str = "auto"
     async_scheduling: bool = False
     engine_process: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -265,6 +269,8 @@ class EngineArgs:
     graphs of the largest steps hold is a small share, and 512 on a smaller one
     (see `default_piecewise_graph_tokens`).
     `enforce_eager` turns off every graph.
+    `speculative_config`: speculative decoding (a dict, or its JSON text, as
+    vLLM takes it: `spec_decode.config.SpeculativeConfig`); None is off.
     """
 
     model: str | None = None
@@ -288,6 +294,8 @@ class EngineArgs:
     load_format: str = "auto"
     async_scheduling: bool | None = None
     engine_process: bool | None = None
+    # (annotated `str` first: the CLI makes its flag a JSON string from that)
+    speculative_config: str | dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -301,6 +309,7 @@ class EngineArgs:
             FileNotFoundError: when the model directory lacks `config.json`.
         """
         from mini_vllm.checkpoint import resolve_model_dir
+        from mini_vllm.spec_decode.config import SpeculativeConfig
 
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -339,6 +348,9 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        speculative = SpeculativeConfig.from_user(self.speculative_config, model_config)
+        if speculative is not None:
+            speculative.check_max_model_len(max_model_len)
         piecewise = self.max_piecewise_graph_tokens
         if piecewise is None:
             memory = (torch.cuda.get_device_properties(device).total_memory
@@ -372,6 +384,7 @@ class EngineArgs:
                               else self.async_scheduling),
             engine_process=(device.type == "cuda" if self.engine_process is None
                             else self.engine_process),
+            speculative_config=speculative,
         )
 
 
