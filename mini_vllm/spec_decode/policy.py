@@ -38,7 +38,7 @@ MIN_GAIN = 0.2
 DECAY = 0.7
 # The estimate a sequence starts with: 0.5, worth one observation.
 PRIOR_ACCEPTED, PRIOR_TESTED = 0.5, 1.0
-FIRST_BACKOFF, MAX_BACKOFF = 16, 256
+FIRST_BACKOFF, MAX_BACKOFF = 32, 512
 
 
 @dataclass
@@ -112,4 +112,4 @@ class SpeculationPolicy:
     # --8<-- [end:wants_values]
 
 
-__all__ = ["MIN_GAIN", "SpeculationPolicy"]
+__all__ = ["FIRST_BACKOFF", "MAX_BACKOFF", "MIN_GAIN", "SpeculationPolicy"]

@@ -36,7 +36,7 @@ from mini_vllm.sequence import Request
 from mini_vllm.spec_decode.config import SpeculativeConfig
 from mini_vllm.spec_decode.metrics import SpecDecodingStats
 from mini_vllm.spec_decode.ngram_proposer import ngram_lookup
-from mini_vllm.spec_decode.policy import SpeculationPolicy
+from mini_vllm.spec_decode.policy import FIRST_BACKOFF, SpeculationPolicy
 from mini_vllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 pytestmark = pytest.mark.spec_decode
@@ -370,17 +370,19 @@ def test_policy_lowers_k_stops_and_tries_again() -> None:
         steps += 1
         assert steps <= 8
     assert not policy.wants_values(req)  # stopped: async scheduling keeps its overlap
-    for _ in range(16):  # ... until its pause (16 tokens) is over
+    for _ in range(FIRST_BACKOFF):  # ... until its pause is over
         req.append_output_token(7)
     assert policy.wants_values(req) and req.num_spec_tokens == 1
-    policy.observe(req, 1, 0)  # the retry fails: a longer pause
+    policy.observe(req, 1, 0)  # the retry fails: a pause twice as long
     assert req.num_spec_tokens == 0
-    for _ in range(16):
+    for _ in range(FIRST_BACKOFF):
         req.append_output_token(7)
     assert not policy.wants_values(req)
-    for _ in range(16):
+    for _ in range(FIRST_BACKOFF):
         req.append_output_token(7)
     assert policy.wants_values(req)
+    policy.observe(req, 1, 1)  # the retry succeeds: speculating again, more next time
+    assert req.num_spec_tokens >= 2
     fixed = SpeculationPolicy(3, adaptive=False)
     fixed.start(req)
     for _ in range(5):
