@@ -57,11 +57,14 @@ class SpecRows:
         num_draft_tokens: proposals verified (k of the row; 0 for a plain row).
         num_spec_slots: proposal slots the scheduler gave it (at least
             `num_draft_tokens`: a proposer may propose fewer).
+        judged: whether the proposer was ready for it (the policy learns
+            only from those: a draft model catching up proposes nothing).
         start_time: when the step was launched (`time.perf_counter`).
     """
 
     num_draft_tokens: list[int]
     num_spec_slots: list[int]
+    judged: list[bool]
     start_time: float
 
 
@@ -135,7 +138,8 @@ class SpeculativeSteps:
                                                                       .request_id][1]))
                 for i in spec])
             self.spec_stats.draft_time_s += time.perf_counter() - start
-            drafts = dict(zip(spec, proposals.token_ids))
+            unready = {i for i, d in zip(spec, proposals.token_ids) if d is None}
+            drafts = {i: d for i, d in zip(spec, proposals.token_ids) if d}
             for i, d in drafts.items():  # the last known token, then its proposals
                 if d:
                     entries[i] = dataclasses.replace(
@@ -162,7 +166,7 @@ class SpeculativeSteps:
             needs_values=True,
             decode_only=sched.num_prefill_tokens == 0,
             spec=SpecRows(num_drafts, [sched.scheduled[i].num_spec_tokens for i, _, _ in rows],
-                          start),
+                          [i not in unready for i, _, _ in rows], start),
         )
     # --8<-- [end:launch_spec]
 
@@ -194,8 +198,8 @@ class SpeculativeSteps:
         tokens = tensors[0].tolist()  # [S, max_k + 1], PLACEHOLDER_TOKEN_ID past the end
         touched: dict[str, _Group] = {}
         first_row, produced = 0, 0
-        for (group, c, index), row, k, slots in zip(step.rows, tokens, spec.num_draft_tokens,
-                                                    spec.num_spec_slots):
+        for (group, c, index), row, k, slots, judged in zip(
+                step.rows, tokens, spec.num_draft_tokens, spec.num_spec_slots, spec.judged):
             rows_of_seq, first_row = range(first_row, first_row + k + 1), first_row + k + 1
             if c.finish_reason is not None:  # finished or aborted since it was launched
                 continue
@@ -211,7 +215,8 @@ class SpeculativeSteps:
                 group.first_token_time = now
             self.spec_stats.observe(k, len(emitted) - 1)
             if slots:
-                self.spec_policy.observe(req, k, len(emitted) - 1)
+                if judged:
+                    self.spec_policy.observe(req, k, len(emitted) - 1)
                 if c.finish_reason is None:
                     self.scheduler.reject_tokens(req, slots - (len(emitted) - 1))
             if not group.final_only or (c.finish_reason is not None and group.finished):

@@ -89,9 +89,9 @@ class DraftModelProposer:
         # Longest runs first: the sequences still drafting at step j are a prefix.
         order = sorted(range(len(batch)), key=lambda i: -batch[i].num_tokens)
         entries, drafting = self._catch_up(batch, order)
-        if not drafting:
-            return Proposals([[] for _ in batch])
-        logits = self.runner.execute(entries)  # [len(drafting), V], float32
+        logits = self.runner.execute(entries) if entries else None  # [len(drafting), V]
+        if not drafting:  # only catch-up chunks this step
+            return Proposals([None for _ in batch])
         steps = [self._draw(logits, [batch[i] for i in drafting])]  # (tokens, probs) per step
         for j in range(1, batch[drafting[0]].num_tokens):
             active = [i for i in drafting if batch[i].num_tokens > j]
@@ -160,7 +160,9 @@ class DraftModelProposer:
         where: list[list[int]] = [[] for _ in batch]
         for row, i in enumerate(drafting):
             where[i] = [offsets[j] + row for j in range(batch[i].num_tokens)]
-        out = [[flat[w] for w in ws] for ws in where]
+        ready = set(drafting)
+        out = [[flat[w] for w in ws] if i in ready else None  # None: still catching up
+               for i, ws in enumerate(where)]
         index = [w for ws in where for w in ws]  # q's rows in output order
         probs = None
         if any(p is not None for _, p in steps):

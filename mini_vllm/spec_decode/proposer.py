@@ -47,13 +47,16 @@ class Proposals:
     """A proposer's answer, in the order of the requests it was given.
 
     Attributes:
-        token_ids: each sequence's proposed tokens (at most `num_tokens`, maybe none).
+        token_ids: each sequence's proposed tokens (at most `num_tokens`,
+            maybe none), or None when the proposer was not ready to propose
+            for it (a draft model still computing its history): no verdict
+            on the proposer, unlike an empty proposal.
         probs: `[sum of their lengths, V]` float32 on the device: the
             distribution each proposal was drawn from; None when every
             proposal is a point mass on its token (the n-gram proposer).
     """
 
-    token_ids: list[list[int]]
+    token_ids: list[list[int] | None]
     probs: torch.Tensor | None = None
 
 

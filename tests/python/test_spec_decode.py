@@ -492,6 +492,21 @@ def test_greedy_output_is_identical_alone_and_in_batches(
     assert_no_leak(llm.engine)
 
 
+def test_draft_catches_up_in_chunks(tiny_model_dir: Path,
+                                                         plain_greedy: list[list[int]]) -> None:
+    """A step budget of 16 tokens: the draft computes a 35-token prompt over three steps
+    before it proposes. The target as its own draft accepts every proposal only if
+    each chunk left the right K/V in the draft's cache."""
+    llm = LLM(str(tiny_model_dir), speculative_config={
+        "model": str(tiny_model_dir), "num_speculative_tokens": 3},
+        **{**ENGINE_ARGS, "max_num_batched_tokens": 16})
+    assert token_ids(llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)) == [plain_greedy[2]]
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_acceptance_rate"] == 1.0
+    # Steps with catch-up chunks only: speculative steps that verified nothing.
+    assert stats["spec_decode_num_spec_steps"] > stats["spec_decode_num_drafts"]
+
+
 def test_async_scheduling_penalties_min_tokens_and_logprobs(
         tiny_model_dir: Path, plain: LLM) -> None:
     """Penalties and min_tokens (row j of a run counts the proposals before it), logprobs
@@ -589,6 +604,8 @@ def test_prefix_caching_and_preemption_with_speculation(
     stats = engine.get_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
+    if method == "self_draft":  # the draft's cache was rebuilt right after each preemption
+        assert stats["spec_decode_acceptance_rate"] == 1.0
     assert_no_leak(engine)
 
 
