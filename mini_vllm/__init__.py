@@ -10,10 +10,12 @@ if TYPE_CHECKING:
     from mini_vllm.llm import LLM
     from mini_vllm.outputs import CompletionOutput, RequestOutput
     from mini_vllm.sampling_params import SamplingParams
+    from mini_vllm.structured_output.params import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "mini_vllm.llm",
     "SamplingParams": "mini_vllm.sampling_params",
+    "StructuredOutputsParams": "mini_vllm.structured_output.params",
     "RequestOutput": "mini_vllm.outputs",
     "CompletionOutput": "mini_vllm.outputs",
 }
@@ -28,4 +30,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'mini_vllm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "__version__"]

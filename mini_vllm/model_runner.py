@@ -277,10 +277,7 @@ class ModelRunner:
         # One host buffer, one copy to the device, then views of it.
         parts = [input_ids, positions, slot_mapping, logits_indices, query_start_loc,
                  context_lens, block_tables.reshape(-1)]
-        host = torch.from_numpy(np.concatenate(parts))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = torch.from_numpy(np.concatenate(parts)).to(self.device)
         views = dev.split([len(p) for p in parts])
         meta = AttentionMetadata(
             slot_mapping=views[2],

@@ -5,6 +5,8 @@ their token histories and random generators) into per-row tensors once per
 step; `Sampler` then runs the whole batch through one fixed pipeline:
 
     logits [N, V] float32
+      -> token constraints   grammar bitmask, allowed_token_ids, bad_words: -inf;
+                             logit_bias added (only the rows that ask for them)
       -> min_tokens mask     EOS and stop tokens at -inf until min_tokens outputs
       -> penalties           repetition (prompt + output), frequency, presence (output)
       -> temperature         logits / T   (greedy rows: T = 1)
@@ -28,12 +30,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from mini_vllm.sampling_params import GREEDY_EPSILON, OPENAI_DEFAULTS, SamplingParams
+from mini_vllm.structured_output.bitmask import apply_token_bitmask, bitmask_width
+
+if TYPE_CHECKING:
+    from mini_vllm.structured_output.grammar import StructuredOutputGrammar
 
 
 class SamplingRequest(NamedTuple):
@@ -49,6 +55,10 @@ class SamplingRequest(NamedTuple):
         noise_key: a random key drawn once for the request's life, from which
             the fused GPU sampler draws an unseeded request's noise (chapter 9);
             `None` draws a fresh key at every step.
+        grammar: the request's structured-output matcher, `None` when its
+            output is unconstrained. It must have accepted every token of
+            `output_token_ids` (the step's bitmask row is filled from it);
+            once it is terminated it no longer constrains the row.
     """
 
     params: SamplingParams
@@ -56,6 +66,7 @@ class SamplingRequest(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     noise_key: int | None = None
+    grammar: StructuredOutputGrammar | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -136,6 +147,13 @@ class SamplingMetadata:
             their min_tokens: their EOS (unless ignore_eos) and stop token ids.
         generators: row -> generator, for random rows with their own generator.
         max_num_logprobs: the largest `logprobs` asked for; `None` if no row asks.
+        grammar_bitmask: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of
+            the rows whose grammar constrains this token; `None` if none.
+        allowed_token_ids_mask: (rows [R] int64, [R, V] bool True = allowed)
+            of the rows with `allowed_token_ids`.
+        bad_words_index: (rows, token ids) to set to -inf: the last token of
+            each bad word whose other tokens end the row's output so far.
+        logit_bias: (rows, token ids, values [K] float32) to add.
     """
 
     vocab_size: int
@@ -155,6 +173,16 @@ class SamplingMetadata:
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_token_ids_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Some row has a grammar, allowed_token_ids, bad_words or a logit_bias."""
+        return (self.grammar_bitmask is not None or self.allowed_token_ids_mask is not None
+                or self.bad_words_index is not None or self.logit_bias is not None)
 
     @classmethod
     def build(
@@ -246,6 +274,7 @@ class SamplingMetadata:
         }
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
+        _build_token_constraints(meta, reqs, device)
         return meta
 
     def next_step(self) -> SamplingMetadata | None:
@@ -255,6 +284,76 @@ class SamplingMetadata:
         move itself forward (chapter 9).
         """
         return None
+
+
+# --8<-- [start:build_token_constraints]
+def _build_token_constraints(meta: SamplingMetadata, reqs: Sequence[SamplingRequest],
+                             device: torch.device) -> None:
+    """Fill `meta`'s grammar, allowed_token_ids, bad_words and logit_bias fields.
+
+    Each is left `None` when no row uses it. The grammar rows' bitmask is
+    filled on the host, one matcher at a time, and copied to the device once.
+    """
+    vocab_size = meta.vocab_size
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    if rows:
+        bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            if reqs[i].grammar.vocab_size != vocab_size:
+                raise ValueError(f"row {i}: its grammar covers {reqs[i].grammar.vocab_size} "
+                                 f"token ids, the logits {vocab_size}")
+            reqs[i].grammar.fill_bitmask(bitmask, j)
+        meta.grammar_bitmask = (_to_device(rows, torch.int64, device),
+                                _to_device(bitmask, torch.int32, device))
+
+    rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+    if rows:
+        allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            allowed[j, _in_vocab("allowed_token_ids", reqs[i].params.allowed_token_ids,
+                                 vocab_size)] = True
+        meta.allowed_token_ids_mask = (_to_device(rows, torch.int64, device),
+                                       _to_device(allowed, torch.bool, device))
+
+    # A bad word's last token is banned when the output ends with its other
+    # tokens: output [.., 5, 9] and bad word [5, 9, 4] -> ban 4 on this row.
+    rows, cols = [], []
+    for i, r in enumerate(reqs):
+        if not r.params.bad_words:
+            continue
+        if r.params.bad_words_token_ids is None:
+            raise ValueError("bad_words must be encoded before sampling: call "
+                             "SamplingParams.update_from_tokenizer")
+        out, n = r.output_token_ids, len(r.output_token_ids)
+        banned = {seq[-1] for seq in r.params.bad_words_token_ids  # only the output's tail is read
+                  if len(seq) - 1 <= n and list(out[n - len(seq) + 1:]) == seq[:-1]}
+        banned = _in_vocab("bad_words_token_ids", sorted(banned), vocab_size)
+        rows += [i] * len(banned)
+        cols += banned
+    if rows:
+        meta.bad_words_index = (_to_device(rows, torch.int64, device),
+                                _to_device(cols, torch.int64, device))
+
+    rows, cols, values = [], [], []
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            ids = _in_vocab("logit_bias", list(r.params.logit_bias), vocab_size)
+            rows += [i] * len(ids)
+            cols += ids
+            values += list(r.params.logit_bias.values())
+    if rows:
+        meta.logit_bias = (_to_device(rows, torch.int64, device),
+                           _to_device(cols, torch.int64, device),
+                           _to_device(values, torch.float32, device))
+
+
+def _in_vocab(name: str, ids: list[int], vocab_size: int) -> list[int]:
+    """`ids`, or a ValueError naming `name` if one is outside [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+# --8<-- [end:build_token_constraints]
 
 
 @dataclass
@@ -311,7 +410,10 @@ class Sampler:
         return self.gather_logprobs(logits, sampled, metadata.max_num_logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The stages before the temperature: the min_tokens mask, then the penalties."""
+        """The stages before the temperature: the token constraints, the min_tokens
+        mask, then the penalties."""
+        if metadata.constrains_tokens:
+            logits = self.apply_token_constraints(logits, metadata)
         if metadata.min_tokens_index is not None:
             minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
             logits = logits.index_put(metadata.min_tokens_index, minus_inf)
@@ -335,6 +437,31 @@ class Sampler:
         """The step's metadata for this sampler (see `SamplingMetadata.build`)."""
         return SamplingMetadata.build(requests, device, vocab_size, eos_token_ids)
 
+
+    # --8<-- [start:token_constraints]
+    @staticmethod
+    def apply_token_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The grammar, allowed_token_ids and bad_words masks, then logit_bias.
+
+        Each stage touches only the rows that asked for it (an `index_copy` of
+        those rows, or an `index_put` at (row, token) pairs), so every other
+        row is unchanged bit for bit. A masked logit is -inf, and stays -inf
+        whatever bias is added to it.
+        """
+        minus_inf = torch.full((), -math.inf, device=logits.device)  # no host copy
+        if metadata.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, *metadata.grammar_bitmask)
+        if metadata.allowed_token_ids_mask is not None:
+            rows, allowed = metadata.allowed_token_ids_mask
+            kept = logits.index_select(0, rows).masked_fill(~allowed, -math.inf)
+            logits = logits.index_copy(0, rows, kept)
+        if metadata.bad_words_index is not None:
+            logits = logits.index_put(metadata.bad_words_index, minus_inf)
+        if metadata.logit_bias is not None:
+            rows, cols, values = metadata.logit_bias
+            logits = logits.index_put((rows, cols), values, accumulate=True)
+        return logits
+    # --8<-- [end:token_constraints]
 
     # --8<-- [start:penalties]
     @staticmethod

@@ -18,7 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from mini_vllm.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from mini_vllm.tokenizer import Tokenizer
 
 # Below this temperature a row is sampled greedily (argmax); dividing logits by
 # something this small would only overflow. vLLM uses the same epsilon.
@@ -29,6 +34,9 @@ GREEDY_EPSILON = 1e-5
 
 # Most top-N alternatives a request may ask for per token (vLLM's max_logprobs).
 MAX_LOGPROBS = 20
+
+# OpenAI's bounds on a logit_bias value: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 
 # --8<-- [start:defaults]
 # Values for the generation-config fields when neither the request nor the
@@ -65,6 +73,14 @@ def _number(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _int_text(name: str, text: str) -> int:
+    """A decimal integer written as a string (a JSON object key), or a ValueError."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}: key {text!r} is not a token id") from None
 
 
 def _integer(name: str, value: Any) -> int:
@@ -109,6 +125,18 @@ class SamplingParams:
             token's text) in the output text.
         output_kind: a delta per step (`DELTA`, for streaming) or one output at
             the end (`FINAL_ONLY`).
+        structured_outputs: constrain the output to a JSON schema, regex,
+            choice or grammar (see `StructuredOutputsParams`; a dict of its
+            fields is accepted too).
+        logit_bias: token id -> a value in [-100, 100] added to that token's
+            logit before sampling (OpenAI's semantics).
+        allowed_token_ids: sample only among these ids.
+        bad_words: words never to generate; each is banned as the token
+            sequences it encodes to, with and without a leading space.
+        bad_words_token_ids: those sequences, filled in from `bad_words` by
+            `update_from_tokenizer` when the request is accepted; leave unset.
+        prompt_logprobs: return the log-probability of every prompt token and
+            its top `prompt_logprobs` alternatives.
     """
 
     n: int = 1
@@ -129,6 +157,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Validates every field and normalises in place (numbers to int/float,
@@ -200,6 +234,101 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise ValueError(f"{name} must be true or false, got {value!r}")  # noqa: TRY004
+        self._validate_token_controls(put)
+
+    # --8<-- [start:token_controls]
+    def _validate_token_controls(self, put: Any) -> None:
+        """Validate and normalise the fields that constrain which tokens may be drawn."""
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            put("structured_outputs", StructuredOutputsParams.from_dict(so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(
+                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                # JSON object keys are strings: "123" is token 123.
+                token = key if not isinstance(key, str) else _int_text("logit_bias", key)
+                token = _integer("logit_bias key", token)
+                value = _number(f"logit_bias[{token}]", value)
+                if token < 0:
+                    raise ValueError(f"logit_bias: token id {token} must be >= 0")
+                if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+                bias[token] = value
+            put("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            ids = self._validate_id_list("allowed_token_ids", self.allowed_token_ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            put("allowed_token_ids", ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            if any(not w.strip() for w in words):
+                raise ValueError("bad_words must not contain empty or whitespace-only strings")
+            put("bad_words", list(words))
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, (list, tuple)):
+                msg = f"bad_words_token_ids must be a list of token-id lists, got {seqs!r}"
+                raise ValueError(msg)
+            seqs = [self._validate_id_list("bad_words_token_ids", s) for s in seqs]
+            if any(not s for s in seqs):
+                raise ValueError("bad_words_token_ids must not contain an empty sequence")
+            put("bad_words_token_ids", seqs)
+        if self.prompt_logprobs is not None:
+            put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs))
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                                 f"got {self.prompt_logprobs}")
+
+    @staticmethod
+    def _validate_id_list(name: str, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{name} must be a list of token ids, got {ids!r}")  # noqa: TRY004
+        out = [_integer(name, i) for i in ids]
+        if any(i < 0 for i in out):
+            raise ValueError(f"{name} must hold non-negative token ids, got {out}")
+        return out
+
+    def update_from_tokenizer(self, tokenizer: Tokenizer) -> SamplingParams:
+        """A copy with `bad_words_token_ids` encoded from `bad_words` (vLLM's rule).
+
+        A word is banned as its token sequence both at the start of the text
+        (`"word"`) and after a space (`" word"`): a byte-level BPE encodes the
+        two differently. The spaced form is kept only when it is a different
+        sequence of the same length (otherwise the plain one already covers it).
+        """
+        if not self.bad_words:
+            return self
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip())
+            spaced = tokenizer.encode(" " + word.lstrip())
+            seqs.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        return self.replace(bad_words_token_ids=seqs)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids outside the model's vocabulary, naming the field.
+
+        Raises:
+            ValueError: for a `logit_bias` key or `allowed_token_ids` entry >= vocab_size.
+        """
+        for name, ids in (("logit_bias", self.logit_bias or {}),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = sorted(i for i in ids if i >= vocab_size)
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+    # --8<-- [end:token_controls]
 
     @staticmethod
     def _validate_stop(stop: Any) -> list[str]:
@@ -277,5 +406,5 @@ class SamplingParams:
         return self.temperature is not None and self.temperature < GREEDY_EPSILON
 
 
-__all__ = ["GREEDY_EPSILON", "MAX_LOGPROBS", "OPENAI_DEFAULTS", "RequestOutputKind",
-           "SamplingParams"]
+__all__ = ["GREEDY_EPSILON", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "OPENAI_DEFAULTS",
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

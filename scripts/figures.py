@@ -501,30 +501,6 @@ def pair_runs(res: Results, pattern: str, runs: Sequence[str]) -> list[dict]:
     return [res(pattern.format(run)) for run in runs]
 
 
-@block("fold-norms", "python benchmarks/throughput.py --backends mini-vllm --breakdown "
-       "--output benchmarks/results/fold_norms/after_1.json (and after_2; before_1, before_2: "
-       "the same on the code without the folding)")
-def fold_norms(res: Results) -> str:
-    """The standard workload with and without the norms folded into the weights."""
-    before = pair_runs(res, "fold_norms/before_{}.json", "12")
-    after = pair_runs(res, "fold_norms/after_{}.json", "12")
-
-    def col(ds: list[dict], fn: Callable[[dict], str]) -> str:
-        return " · ".join(fn(d["results"]["mini-vllm"]) for d in ds)
-
-    cat = lambda k: lambda r: f"{r['breakdown']['kernel_s_by_category'][k]:.3f} s"
-    rows = [
-        ["output tok/s", col(before, lambda r: n0(r["output_tok_s"])),
-         bold(col(after, lambda r: n0(r["output_tok_s"])))],
-        ["GPU busy", col(before, lambda r: f"{r['engine_stats']['gpu_busy_s']:.3f} s"),
-         col(after, lambda r: f"{r['engine_stats']['gpu_busy_s']:.3f} s")],
-        ["kernels: norms, RoPE, activations", col(before, cat("norms / rope / activations")),
-         col(after, cat("norms / rope / activations"))],
-        ["kernels: matrix products", col(before, cat("matmul")), col(after, cat("matmul"))],
-    ]
-    return table(["", "norms as kernels (two runs)", "norms folded (two runs)"], rows)
-
-
 @block("async-host", "python benchmarks/step_profile.py --output benchmarks/results/step_profile.json")
 def async_host(res: Results) -> str:
     """The host's work in one engine step of 256 sequences, against the GPU's."""
@@ -554,18 +530,16 @@ def async_step(res: Results) -> str:
 
 
 @block("sampler", "python benchmarks/step_profile.py --output "
-       "benchmarks/results/two_level_sampler/after_b256.json (and --batch 1; before_*: "
-       "the same on the code with the one-level race)")
+       "benchmarks/results/two_level_sampler/after_b256.json (and --batch 1)")
 def sampler(res: Results) -> str:
-    """The torch pipeline, the one-level race and the two-level race, per step."""
+    """The torch pipeline and the fused sampler per step, against the floor."""
     rows = []
     for b in ("256", "1"):
-        before = res(f"two_level_sampler/before_b{b}.json")["runner"]
         after = res(f"two_level_sampler/after_b{b}.json")["runner"]
         rows.append([f"batch {b} (× 151,936 logits)", f"{after['sampler_torch_gpu_ms']:.3f} ms",
-                     f"{before['sampler_gpu_ms']:.4f} ms", bold(f"{after['sampler_gpu_ms']:.4f} ms"),
+                     bold(f"{after['sampler_gpu_ms']:.4f} ms"),
                      f"{after['sampler_floor_ms']:.4f} ms"])
-    return table(["one step", "torch pipeline", "one level", "two levels", "floor"], rows)
+    return table(["one step", "torch pipeline", "fused sampler", "floor"], rows)
 
 
 @block("engine-process", "python benchmarks/serving.py --launch --no-engine-process "
@@ -1052,6 +1026,21 @@ def block_ids(res: Results) -> str:
         out.append([f"{h['batch']} × {h['context']:,}", f"{h['lists_ms']:.3f} ms",
                     bold(f"{h['arrays_ms']:.3f} ms")])
     return table(["sequences × context", "tables as lists", "as int32 arrays"], out)
+
+
+@block("postprocess", "python benchmarks/step_profile.py --postprocess --preset tiny --context 16 "
+       "--steps 100 --output benchmarks/results/step_profile_postprocess.json")
+def postprocess(res: Results) -> str:
+    """The engine's host work after the sampler, text token by token and at the end."""
+    p = res("step_profile_postprocess.json")["postprocess"]
+    rows = [
+        ["ms per step, mean over the run", "per_token_ms_per_step", "at_end_ms_per_step"],
+        ["ms, median step", "per_token_median_ms", "at_end_median_ms"],
+        [f"ms, the last step (all {p['batch']} finish)", "per_token_last_step_ms",
+         "at_end_last_step_ms"],
+    ]
+    return table([f"`_process`, {p['batch']} rows", "token by token", "text at the end"],
+                 [[label, f2(p[a]), f2(p[b])] for label, a, b in rows])
 
 
 @block("gc-freeze", "python benchmarks/serving.py --launch --request-rates inf --num-requests 256 "

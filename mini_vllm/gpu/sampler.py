@@ -111,7 +111,8 @@ class FusedSamplingMetadata(SamplingMetadata):
         rows, each of which drew exactly one token with this metadata.
         """
         if (self.noise_seeds is None or not self.keyed or self.min_tokens_index is not None
-                or self.repetition_penalties is not None or self.output_token_counts is not None):
+                or self.repetition_penalties is not None or self.output_token_counts is not None
+                or self.grammar_bitmask is not None or self.bad_words_index is not None):
             return None
         self.noise_seeds.select(1, 1).add_(1)  # in place, without a trip through __setitem__
         return self
@@ -138,7 +139,7 @@ class FusedSampler(Sampler):
         self.check_logits(logits, metadata)
         plain = (metadata.min_tokens_index is None and metadata.max_num_logprobs is None
                  and metadata.repetition_penalties is None
-                 and metadata.output_token_counts is None)
+                 and metadata.output_token_counts is None and not metadata.constrains_tokens)
         if plain:  # the common case: one kernel reads the logits as they are
             return SamplerOutput(ops.sample_tokens(logits, metadata.inv_temperature, seeds))
         logits = self.process_logits(logits.float(), metadata)

@@ -182,6 +182,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(0.0, 0.02, generator=gen)
 
 
+# --8<-- [start:load_model]
 def load_model(
     model_dir: str | Path,
     model_config: ModelConfig | None = None,
@@ -225,6 +226,7 @@ def load_model(
         load_weights(model, model_dir)
     select_implementations(model, device, dtype)
     return model.eval()
+# --8<-- [end:load_model]
 
 
 __all__ = [

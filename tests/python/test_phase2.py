@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,11 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from mini_vllm.attention import AttentionMetadata, paged_attention, write_kv_cache
 from mini_vllm.config import EngineArgs, EngineConfig
+from mini_vllm.layers import CustomOp, select_implementations
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models import load_model
 
@@ -113,6 +116,38 @@ def test_tied_and_untied_heads(tiny_model_dir: Path, tiny_untied_model_dir: Path
     assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys()  # noqa: SIM118
+
+
+def test_blocks_run_their_reference_on_the_cpu(tiny_model_dir: Path) -> None:
+    """The loader leaves every block of a CPU model on `forward_native`; a block whose
+    fast implementation can run is switched to it, and `forward` then calls it."""
+    model = load_model(tiny_model_dir)
+    blocks = [m for m in model.modules() if isinstance(m, CustomOp)]
+    assert {type(b).__name__ for b in blocks} == {"Linear", "LMHead", "RMSNorm", "SiluAndMul"}
+    assert not any(b.use_fast for b in blocks)
+    assert select_implementations(model, "cpu", torch.float32) == Counter()
+
+    class Probe(CustomOp):
+        def __init__(self, has_kernel: bool) -> None:
+            super().__init__()
+            self.has_kernel, self.calls = has_kernel, []
+
+        def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.append("native")
+            return 2 * x
+
+        def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.append("fast")
+            return x + x
+
+        def fast_supported(self, device: torch.device, dtype: torch.dtype) -> bool:
+            return self.has_kernel and dtype == torch.bfloat16
+
+    net = nn.Sequential(Probe(True), Probe(False))
+    assert select_implementations(net, "cpu", torch.float32) == Counter()
+    assert select_implementations(net, "cpu", torch.bfloat16) == Counter({"Probe": 1})
+    torch.testing.assert_close(net(torch.ones(3)), torch.full((3,), 4.0))
+    assert net[0].calls == ["fast"] and net[1].calls == ["native"]
 
 
 def test_prefill_of_several_prompts_in_one_flat_batch(model_dir: Path, hf_model) -> None:
