@@ -35,7 +35,7 @@ from mini_vllm.engine.speculative import SpecRows, SpeculativeSteps
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import Sampler, SamplingMetadata, make_generator
+from mini_vllm.sampler import Sampler, SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
@@ -313,13 +313,18 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         metadata = last[1].next_step() if same else None
         if metadata is None:
             metadata = self.sampler.build_metadata(
-                [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
-                  c.request.output_token_ids, c.noise_key) for _, c in sampling],
+                [self._sampling_request(c) for _, c in sampling],
                 device=device, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             )
         self._last_sampling = (rows, metadata)
         return metadata
     # --8<-- [end:sampling_metadata]
+
+    def _sampling_request(self, c: _Completion) -> SamplingRequest:
+        """What the sampler needs to know about a completion's row."""
+        r = c.request
+        return SamplingRequest(r.sampling_params, c.generator, r.prompt_token_ids,
+                               r.output_token_ids, c.noise_key)
 
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:

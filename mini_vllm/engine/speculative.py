@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mini_vllm.sampler import SamplingMetadata, SamplingRequest
+from mini_vllm.sampler import SamplingMetadata
 from mini_vllm.spec_decode.metrics import SpecDecodingStats
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.spec_decode.policy import SpeculationPolicy
@@ -169,11 +169,6 @@ class SpeculativeSteps:
                           [i not in unready for i, _, _ in rows], start),
         )
     # --8<-- [end:launch_spec]
-
-    def _sampling_request(self, c: _Completion) -> SamplingRequest:
-        r = c.request
-        return SamplingRequest(r.sampling_params, c.generator, r.prompt_token_ids,
-                               r.output_token_ids, c.noise_key)
 
     # --8<-- [start:verify_metadata]
     def _verify_metadata(self, rows: list[tuple[int, _Group, _Completion]],

@@ -65,7 +65,12 @@ class SpeculationPolicy:
         self._state: WeakKeyDictionary[Request, _SeqState] = WeakKeyDictionary()
 
     def start(self, request: Request) -> None:
-        """A new sequence speculates from its first decode, with the full run."""
+        """A new sequence speculates from its first decode, with the full run; one
+        with structured outputs never does (its grammar would have to follow each
+        proposal before the proposal is verified)."""
+        if getattr(request.sampling_params, "structured_outputs", None) is not None:
+            request.num_spec_tokens = 0  # and no state: it never resumes
+            return
         request.num_spec_tokens = self.num_speculative_tokens
         self._state[request] = _SeqState()
 

@@ -19,9 +19,9 @@ and the token after the last accepted one is that argmax: the same tokens as
 decoding one at a time.
 
 `pj` is the distribution the plain sampler (phase 5) would draw from at that
-position: its `process_logits` stages (min_tokens, penalties), computed with
-the proposals before it counted as outputs, then the temperature and the
-min-p / top-k / top-p filters.
+position: its `process_logits` stages (token constraints, min_tokens,
+penalties), computed with the proposals before it counted as outputs, then the
+temperature and the min-p / top-k / top-p filters.
 
 Everything is batched over the step's rows (`sum(k + 1)` of them) and stays
 on the device; the engine's read of `output_token_ids` is the step's one sync.
@@ -102,8 +102,8 @@ class RejectionSampler:
     """Verifies proposals against the target's distributions (see the module docstring).
 
     Args:
-        sampler: the engine's sampler, whose `process_logits` stages (min_tokens,
-            penalties and any stage added later) make the target's distribution.
+        sampler: the engine's sampler, whose `process_logits` stages (token
+            constraints, min_tokens, penalties) make the target's distribution.
     """
 
     def __init__(self, sampler: Sampler) -> None:
@@ -124,7 +124,8 @@ class RejectionSampler:
             logits: `[T, V]`, `T = sum(k + 1)`: for each sequence in order, the
                 target's logits at its last known token and at each proposal.
             metadata: `T` rows of sampling parameters; row `j` of a sequence
-                counts its first `j` proposals as outputs (penalties, min_tokens).
+                counts its first `j` proposals as outputs (penalties, min_tokens,
+                bad words).
             num_draft_tokens: `k` of each sequence (0: sample one token, as
                 the plain sampler does).
             draft_token_ids: the proposals, sequence after sequence (`sum(k)`).

@@ -530,6 +530,23 @@ def test_async_scheduling_penalties_min_tokens_and_logprobs(
                 assert math.isclose(lg[t].logprob, lw[t].logprob, abs_tol=1e-4)
 
 
+def test_token_constraints_hold_at_every_verified_position(tiny_model_dir: Path,
+                                                           plain: LLM) -> None:
+    """allowed_token_ids and logit_bias reach every verified row; a request with
+    structured outputs never speculates (its grammar would have to follow the proposals)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                            allowed_token_ids=list(range(0, 2368, 3)), logit_bias={6: 2.5})
+    want = token_ids(plain.generate(PROMPTS[:2], params, use_tqdm=False))
+    llm = LLM(str(tiny_model_dir), speculative_config={
+        "model": str(tiny_model_dir), "num_speculative_tokens": 3}, **ENGINE_ARGS)
+    assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == want
+    assert all(t % 3 == 0 for seq in want for t in seq)
+    assert llm.engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    req = Request("s", [1, 2], SamplingParams(structured_outputs={"regex": "a+"}), 0.0)
+    llm.engine.spec_policy.start(req)
+    assert req.num_spec_tokens == 0 and not llm.engine.spec_policy.wants_values(req)
+
+
 def test_stop_strings_and_max_tokens_inside_accepted_runs(tiny_model_dir: Path,
                                                           plain: LLM) -> None:
     """The target proposing to itself accepts runs of 5 tokens; a stop string and a
@@ -713,6 +730,54 @@ def test_server_streams_speculative_runs(spec_server: str, plain: LLM) -> None:
     # Runs of several tokens arrive in one chunk.
     assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) < 18
     assert "mini_vllm:spec_decode_num_accepted_tokens_total" in metrics
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def _load_script(path: Path) -> Any:
+    import importlib.util
+
+    import sys
+
+    name = f"_spec_decode_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_smoke_run_and_its_figures(tmp_path: Path) -> None:
+    """The GPU benchmark's every section on the tiny model (timings meaningless on a
+    CPU): every speculative run gave the plain run's tokens, the oracle's acceptance is
+    what it was set to, and the chapter's figures render from the JSON it wrote."""
+    repo = Path(__file__).resolve().parents[2]
+    bench = _load_script(repo / "benchmarks" / "spec_decode.py")
+    report = bench.main(["--presets", "tiny", "--draft-preset", "tiny", "--device", "cpu",
+                         "--batches", "1", "2", "--ks", "2", "--acceptance", "0", "1",
+                         "--prompt-len", "8", "--output-len", "6",
+                         "--output", str(tmp_path / "spec_decode.json")])
+    r = report["results"]["tiny"]
+    assert r["status"] == "ok", r
+    for batch in ("1", "2"):
+        sweep = r["sweep"][batch]
+        assert sweep["identical_to_plain"]
+        rates = {x["acceptance"]: x["acceptance_rate"] for x in sweep["runs"]}
+        assert rates == {0.0: 0.0, 1.0: 1.0}
+    assert all(x["identical_to_plain"] for x in r["ngram"].values())
+    assert r["ngram"]["1/1"]["acceptance_rate"] == 1.0  # the copy is found in the prompt
+    assert all(x["identical_to_plain"] and x["acceptance_rate"] == 1.0
+               for x in r["draft"].values())
+    assert report["real_pair"]["status"] == "skipped"
+    assert [c["check"] for c in report["bar"]] == [
+        "tiny batch 2, a proposer that misses (adaptive): >= 0.95x"]
+    figures = _load_script(repo / "scripts" / "figures.py")
+    for name in ("spec-sweep", "spec-bar", "spec-ngram", "spec-draft", "spec-real"):
+        text = figures.render(name, [], tmp_path)
+        assert "Not measured" not in text and "spec_decode.json" in text, (name, text)
+    assert "| tiny | 2 |" in figures.render("spec-sweep", [], tmp_path)
+    assert "Not measured yet" in figures.render("spec-sweep", [], tmp_path / "empty")
 
 
 # ----------------------------------------------------------------------------- the GPU
