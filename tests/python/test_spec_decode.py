@@ -737,7 +737,6 @@ def test_server_streams_speculative_runs(spec_server: str, plain: LLM) -> None:
 
 def _load_script(path: Path) -> Any:
     import importlib.util
-
     import sys
 
     name = f"_spec_decode_{path.stem}"
