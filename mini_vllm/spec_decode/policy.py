@@ -36,8 +36,9 @@ from mini_vllm.sequence import Request
 MIN_GAIN = 0.2
 # Weight of the past in the estimate, per step.
 DECAY = 0.7
-# The estimate a sequence starts with: 0.5, worth one observation.
-PRIOR_ACCEPTED, PRIOR_TESTED = 0.5, 1.0
+# The estimate a sequence starts with: 0.4, worth one observation (a first step
+# whose proposals all miss stops it; one whose proposals all pass keeps the full run).
+PRIOR_ACCEPTED, PRIOR_TESTED = 0.4, 1.0
 FIRST_BACKOFF, MAX_BACKOFF = 32, 512
 
 

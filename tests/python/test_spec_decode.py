@@ -17,14 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.checkpoint import make_model
-from mini_vllm.cli import build_parser
 from mini_vllm.config import EngineArgs, SchedulerConfig
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.kv_cache import KVCacheManager
@@ -63,8 +61,9 @@ def draft_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def spec_config(name: str, tiny: Path, draft: Path, **extra: Any) -> dict[str, Any]:
     """The speculative configurations the tests run."""
     return {
+        # (fixed k: the tiny model's text repeats itself only after a while)
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                  "prompt_lookup_max": 3},
+                  "prompt_lookup_max": 3, "adaptive": False},
         "draft": {"model": str(draft), "num_speculative_tokens": 3},
         "self_draft": {"model": str(tiny), "num_speculative_tokens": 4},
     }[name] | extra
@@ -174,6 +173,8 @@ def test_speculative_config_is_validated_naming_the_field(tiny_model_dir: Path,
 
 
 def test_cli_has_the_speculative_config_flag() -> None:
+    from mini_vllm.cli import build_parser  # (the server's packages: not on every GPU box)
+
     ns = build_parser().parse_args(
         ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert json.loads(ns.speculative_config)["method"] == "ngram"
@@ -664,7 +665,8 @@ def test_aborts_in_the_middle_of_a_speculation_leak_nothing(tiny_model_dir: Path
 def test_a_speculative_step_that_fails_fails_its_requests_only(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(tiny_model_dir), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}, **ENGINE_ARGS)
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+        "adaptive": False}, **ENGINE_ARGS)
     real = llm.engine.proposer.propose
     calls = iter(range(100))
 
@@ -712,6 +714,8 @@ def spec_server(tiny_model_dir: Path) -> Iterator[str]:
 
 
 def test_server_streams_speculative_runs(spec_server: str, plain: LLM) -> None:
+    import httpx
+
     body = {"model": "tiny-spec", "prompt": "The quick brown fox", "max_tokens": 18,
             "temperature": 0, "ignore_eos": True, "logprobs": 2}
     with httpx.Client(timeout=60) as http:
