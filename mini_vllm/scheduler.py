@@ -221,6 +221,9 @@ class Scheduler:
         #    in order with the same priority and arrival, share its blocks:
         #    the first child is scheduled first and the others find its
         #    prompt's full blocks in the cache.
+        # 5. Slots for proposed tokens (speculative decoding) count as computed
+        #    like any other; once the step is verified the engine takes the
+        #    rejected ones back (`reject_tokens`), before the next schedule.
         config = self.scheduler_config
         kv = self.kv_cache_manager
         budget = config.max_num_batched_tokens
