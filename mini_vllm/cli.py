@@ -70,6 +70,10 @@ _ENGINE_ARG_HELP: dict[str, str] = {
                    "(for benchmarks of a directory without weights)",
     "engine_process": "run the engine's step loop in a process of its own, apart from the "
                       "HTTP server (default: on with a CUDA GPU, off on the CPU)",
+    # Speculative decoding: a JSON object, as vLLM's --speculative-config.
+    "speculative_config": "speculative decoding, as JSON: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}' or '{\"model\": DRAFT_DIR, "
+                          "\"num_speculative_tokens\": 4}' (default: off)",
 }
 # --chat-template (vLLM's flag): a template for a model without one, or instead of its own.
 _ENGINE_ARG_HELP["chat_template"] = (

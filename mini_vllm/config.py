@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mini_vllm.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -463,6 +466,7 @@ class EngineConfig:
     engine_process: bool = False
     parallel_config: ParallelConfig = ParallelConfig()
     chat_template: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -502,6 +506,9 @@ class EngineArgs:
     `chat_template`: a file holding a jinja chat template, or the template
     itself, used instead of the checkpoint's (a model without one, GPT-2,
     answers chat requests only with it).
+
+    `speculative_config`: speculative decoding (a dict, or its JSON text, as
+    vLLM takes it: `spec_decode.config.SpeculativeConfig`); None is off.
     """
 
     model: str | None = None
@@ -528,6 +535,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     engine_process: bool | None = None
     chat_template: str | None = None
+    # (annotated `str` first: the CLI makes its flag a JSON string from that)
+    speculative_config: str | dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -541,6 +550,7 @@ class EngineArgs:
             FileNotFoundError: when the model directory lacks `config.json`.
         """
         from mini_vllm.checkpoint import resolve_model_dir
+        from mini_vllm.spec_decode.config import SpeculativeConfig
 
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -590,6 +600,9 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        speculative = SpeculativeConfig.from_user(self.speculative_config, model_config)
+        if speculative is not None:
+            speculative.check_max_model_len(max_model_len)
         piecewise = self.max_piecewise_graph_tokens
         if piecewise is None:
             memory = (torch.cuda.get_device_properties(device).total_memory
@@ -625,6 +638,7 @@ class EngineArgs:
                             else self.engine_process),
             parallel_config=parallel_config,
             chat_template=chat_template,
+            speculative_config=speculative,
         )
 
 

@@ -46,6 +46,9 @@ class BatchEntry:
             the real value of the last of `token_ids`: a token the previous step
             sampled, still on the device, for which `token_ids` holds a
             placeholder (async scheduling).
+        num_logits: with `sample`, return logits for the last `num_logits`
+            new tokens, not only the last one (speculative decoding verifies
+            the last known token and the proposals after it in one forward).
     """
 
     token_ids: list[int]
@@ -53,7 +56,21 @@ class BatchEntry:
     block_table: list[int]
     sample: bool = True
     prev_sample_row: int = -1
+    num_logits: int = 1
 # --8<-- [end:batch_entry]
+
+
+# --8<-- [start:logits_rows]
+def logits_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Rows of the flat batch whose logits are returned: the last `counts[i]`
+    tokens of entry `i`, whose tokens end before row `ends[i]`, entry after entry.
+
+        ends   [3, 8, 9]    counts [1, 3, 0]    ->    [2, 5, 6, 7]
+    """
+    starts = np.repeat(ends - counts, counts)  # [N]: each row's entry's first logits row
+    offsets = np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return starts + offsets
+# --8<-- [end:logits_rows]
 
 
 @dataclass
@@ -65,7 +82,7 @@ class ModelInput:
         positions: `[T] int64` each token's position in its sequence.
         attn_metadata: slots, query starts, context lengths, block tables.
         logits_indices: `[N] int64` rows of the hidden states to turn into
-            logits: the last new token of each entry with `sample=True`.
+            logits: the last `num_logits` new tokens of each entry with `sample=True`.
         num_tokens: `T`.
     """
 
@@ -183,20 +200,26 @@ class ModelRunner:
         `num_gpu_blocks_override` wins on any device. Otherwise the budget is
         `_kv_budget_bytes()` (`cpu_kv_cache_gb` here; what the GPU has left on
         a GPU), capped at what `max_num_seqs` sequences of `max_model_len`
-        tokens could ever use.
+        tokens could ever use. A draft model for speculative decoding takes
+        its share: its K/V in every block, and on a GPU its weights.
         """
         cache_cfg = self.engine_config.cache_config
         sched_cfg = self.engine_config.scheduler_config
         if cache_cfg.num_gpu_blocks_override is not None:
             return cache_cfg.num_gpu_blocks_override
-        budget = self._kv_budget_bytes()
-        num_blocks = budget // self.block_bytes
+        budget, block_bytes = self._kv_budget_bytes(), self.block_bytes
+        spec = self.engine_config.speculative_config
+        if spec is not None:  # a draft model: its cache uses the same block ids
+            block_bytes += spec.draft_kv_bytes_per_block(self.block_size, self.dtype)
+            if self.device.type == "cuda":  # its weights are loaded after this is sized
+                budget -= spec.draft_weight_bytes(self.dtype)
+        num_blocks = budget // block_bytes
         blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
         num_blocks = min(num_blocks, sched_cfg.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < 2:
             raise ValueError(
                 f"not enough memory for the KV cache: one block of {self.block_size} tokens "
-                f"takes {self.block_bytes} bytes and the budget is {max(budget, 0)} bytes; "
+                f"takes {block_bytes} bytes and the budget is {max(budget, 0)} bytes; "
                 "raise gpu_memory_utilization / cpu_kv_cache_gb or set num_gpu_blocks_override"
             )
         return num_blocks
@@ -260,8 +283,8 @@ class ModelRunner:
         slot_mapping = (
             block_tables[seq_of_token, positions // bs] * bs + positions % bs
         )  # [T]
-        sample = np.array([e.sample for e in entries], dtype=bool)
-        logits_indices = query_start_loc[1:][sample] - 1  # [N] last new token of each
+        counts = np.array([e.num_logits if e.sample else 0 for e in entries], dtype=np.int64)
+        logits_indices = logits_rows(query_start_loc[1:], counts)  # [N] the last new tokens
 
         input_ids = np.fromiter(
             chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=num_tokens
@@ -303,6 +326,9 @@ class ModelRunner:
                     f"entry {i}: positions up to {context_lens[i] - 1} exceed the model's "
                     f"max_position_embeddings ({max_pos})"
                 )
+            if not 1 <= e.num_logits <= query_lens[i]:
+                raise ValueError(f"entry {i}: num_logits must be in 1..{query_lens[i]} (its new "
+                                 f"tokens), got {e.num_logits}")
             if len(e.block_table) < blocks_needed[i]:
                 raise ValueError(
                     f"entry {i}: {context_lens[i]} tokens need {blocks_needed[i]} blocks of "
@@ -333,7 +359,8 @@ class ModelRunner:
 
         Returns:
             `[N, vocab_size]` logits of the last new token of each entry with
-            `sample=True`, in entry order (N may be 0).
+            `sample=True` (its last `num_logits` new tokens), in entry order
+            (N may be 0).
         """
         batch = self.build_batch(entries)
         self._take_previous_samples(batch, entries, prev_sampled)
@@ -356,4 +383,4 @@ class ModelRunner:
                 batch.input_ids.device)
 
 
-__all__ = ["BatchEntry", "HostCopy", "ModelInput", "ModelRunner"]
+__all__ = ["BatchEntry", "HostCopy", "ModelInput", "ModelRunner", "logits_rows"]

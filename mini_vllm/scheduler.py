@@ -43,8 +43,8 @@ class ScheduledRequest:
         num_new_tokens: tokens it computes in this step.
         start_pos: tokens of it already in the KV cache before this step
             (the position of its first new token).
-        token_ids: the tokens to compute,
-            `request.all_token_ids[start_pos : start_pos + num_new_tokens]`.
+        token_ids: the known tokens to compute,
+            `request.all_token_ids[start_pos : start_pos + num_new_tokens - num_spec_tokens]`.
         block_table: its block ids after this step's allocation (a read-only
             int32 array: `KVCacheManager.allocate_slots`).
         sample: whether a token is sampled after this step: true iff the
@@ -52,6 +52,9 @@ class ScheduledRequest:
             request.num_tokens`); false for a prompt chunk that is not the last.
         is_prefill: computes prompt tokens, or recomputes outputs after a
             preemption; false for a plain decode (the one token sampled last).
+        num_spec_tokens: slots for proposed tokens after `token_ids`
+            (speculative decoding): counted in `num_new_tokens`, allocated in
+            `block_table`, not yet known when the step is scheduled.
     """
 
     request: Request
@@ -61,6 +64,7 @@ class ScheduledRequest:
     block_table: np.ndarray
     sample: bool
     is_prefill: bool
+    num_spec_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -217,6 +221,9 @@ class Scheduler:
         #    in order with the same priority and arrival, share its blocks:
         #    the first child is scheduled first and the others find its
         #    prompt's full blocks in the cache.
+        # 5. Slots for proposed tokens (speculative decoding) count as computed
+        #    like any other; once the step is verified the engine takes the
+        #    rejected ones back (`reject_tokens`), before the next schedule.
         config = self.scheduler_config
         kv = self.kv_cache_manager
         budget = config.max_num_batched_tokens
@@ -241,7 +248,11 @@ class Scheduler:
                     f"request {request.request_id!r} has no token to compute: the engine must "
                     "append the token sampled for it or finish it"
                 )
-            block_table = kv.allocate_slots(request, num_new)
+            num_spec = self._num_spec_slots(request, num_new, budget)
+            block_table = kv.allocate_slots(request, num_new + num_spec)
+            if block_table is None and num_spec:  # speculation never preempts anyone
+                num_spec = 0
+                block_table = kv.allocate_slots(request, num_new)
             while block_table is None:  # out of blocks: preempt the worst running request
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -251,8 +262,8 @@ class Scheduler:
                 block_table = kv.allocate_slots(request, num_new)
             if block_table is None:  # it preempted itself: it was the last one
                 break
-            self._schedule_request(out, request, num_new, block_table)
-            budget -= num_new
+            self._schedule_request(out, request, num_new, block_table, num_spec)
+            budget -= num_new + num_spec
             i += 1
 
         # 2. Waiting requests (new or preempted), best first.
@@ -284,28 +295,71 @@ class Scheduler:
     # --8<-- [end:schedule]
 
     def _schedule_request(
-        self, out: SchedulerOutput, request: Request, num_new: int, block_table: np.ndarray
+        self, out: SchedulerOutput, request: Request, num_new: int, block_table: np.ndarray,
+        num_spec: int = 0,
     ) -> None:
-        """Add a request to the step and advance its `num_computed_tokens`."""
+        """Add a request to the step and advance its `num_computed_tokens`
+        (past `num_spec` proposed tokens too: `reject_tokens` takes back the rejected)."""
         start = request.num_computed_tokens
         is_prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
-                num_new_tokens=num_new,
+                num_new_tokens=num_new + num_spec,
                 start_pos=start,
                 token_ids=request.all_token_ids[start : start + num_new],
                 block_table=block_table,
                 sample=start + num_new == request.num_tokens,
                 is_prefill=is_prefill,
+                num_spec_tokens=num_spec,
             )
         )
-        out.num_batched_tokens += num_new
+        out.num_batched_tokens += num_new + num_spec
         if is_prefill:
             out.num_prefill_tokens += num_new
         else:
-            out.num_decode_tokens += num_new
-        request.num_computed_tokens = start + num_new
+            out.num_decode_tokens += num_new + num_spec
+        request.num_computed_tokens = start + num_new + num_spec
+
+    # --8<-- [start:spec_slots]
+    def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
+        """Slots for proposed tokens after a decode's one known token.
+
+        As many as the request asks for (`num_spec_tokens`), cut to the step's
+        budget and to what it may still produce: a step that verifies `k`
+        proposals yields at most `k + 1` tokens, which must stay within
+        `max_tokens` and `max_model_len`. None while its last token is still
+        on the device (async scheduling): proposing needs its value.
+        """
+        k = request.num_spec_tokens
+        if k <= 0 or num_new != 1 or request.num_unresolved_tokens:
+            return 0
+        longest = self.scheduler_config.max_model_len
+        if request.max_tokens is not None:
+            longest = min(longest, request.num_prompt_tokens + request.max_tokens)
+        return max(0, min(k, budget - 1, longest - request.num_tokens - 1))
+    # --8<-- [end:spec_slots]
+
+    # --8<-- [start:reject_tokens]
+    def reject_tokens(self, request: Request, num_rejected: int) -> None:
+        """Take back the cache slots of a running request's rejected proposals.
+
+        `schedule` advanced `num_computed_tokens` past every proposed slot;
+        verification kept some. The rejected ones were written to the cache
+        but hold tokens that never happened: the count drops back, and every
+        block past the last kept token goes back to the pool
+        (`KVCacheManager.truncate`). None of them was entered in the prefix
+        cache: only blocks full of known tokens are.
+
+        Raises:
+            ValueError: if `num_rejected` is negative or more than were computed.
+        """
+        if not 0 <= num_rejected <= request.num_computed_tokens:
+            raise ValueError(f"reject_tokens: num_rejected must be in 0.."
+                             f"{request.num_computed_tokens}, got {num_rejected}")
+        request.num_computed_tokens -= num_rejected
+        self.kv_cache_manager.truncate(request, request.num_computed_tokens)
+    # --8<-- [end:reject_tokens]
 
     # --8<-- [start:preempt]
     def _preempt(self, request: Request) -> None:

@@ -127,6 +127,10 @@ class Request:
         # Hashes of the full blocks of `all_token_ids`, filled in by the
         # KV cache manager (see `kv_cache/block_hash.py`).
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: how many proposed tokens its next decode step
+        # makes room for (the scheduler may give fewer; 0: a plain decode).
+        # Proposed tokens never enter `all_token_ids` until verified.
+        self.num_spec_tokens = 0
         # Prompt plus the most output tokens it may produce (asked every step).
         max_tokens = self.max_tokens
         self._max_num_tokens = (len(self.prompt_token_ids) + max_tokens if max_tokens is not None

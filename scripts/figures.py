@@ -58,6 +58,11 @@ class FigureError(ValueError):
     """A marker that names no figure, gives it bad arguments, or a JSON file it lacks."""
 
 
+class NotMeasured(str):
+    """What a block says while the JSON it reads is not in benchmarks/results yet
+    (written without a caption: nothing was measured)."""
+
+
 # ----------------------------------------------------------------------------- plumbing
 
 
@@ -137,6 +142,8 @@ def render(name: str, args: Sequence[str] = (), results_dir: Path = RESULTS_DIR)
         raise FigureError(f"figure {name} {' '.join(args)}: {type(e).__name__}: {e}") from e
     if fig.inline:
         return body
+    if isinstance(body, NotMeasured):
+        return f"\n\n{body.strip()}\n\n"
     files = ", ".join(f"`benchmarks/results/{rel}`" for rel in res.read)
     on = " and ".join(res.devices()) or "the machine named in the JSON"
     how = f" with `{fig.command}`" if fig.command else " with the command in each row"
@@ -1279,6 +1286,106 @@ def fold_gain(res: Results) -> str:
     mean = lambda side: sum(res(f"fold_norms/{side}_{i}.json")["results"]["mini-vllm"]["output_tok_s"]
                             for i in (1, 2)) / 2
     return f"{100 * (mean('after') / mean('before') - 1):+.1f} %"
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+
+SPEC_FILE = "spec_decode.json"
+SPEC_CMD = "python benchmarks/spec_decode.py --output benchmarks/results/spec_decode.json"
+SPEC_IMG = REPO_ROOT / "chapters" / "img" / "spec_decode.png"
+
+
+def spec_report(res: Results) -> dict[str, Any] | NotMeasured:
+    """The speculative decoding run, or what to run while there is none."""
+    if not (res.root / SPEC_FILE).is_file():
+        return NotMeasured(f"*Not measured yet: on a GPU, `{SPEC_CMD}`, then `python "
+                           f"benchmarks/spec_decode.py --plot-from benchmarks/results/{SPEC_FILE}` "
+                           "and `python scripts/figures.py`.*")
+    return res(SPEC_FILE)
+
+
+def spec_presets(d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(p, r) for p, r in d["results"].items() if r.get("status") == "ok"]
+
+
+@block("spec-sweep", SPEC_CMD)
+def spec_sweep(res: Results) -> str:
+    """Speedup over plain greedy decoding at k = 4 for each acceptance, and the best k."""
+    d = spec_report(res)
+    if isinstance(d, NotMeasured):
+        return d
+    accs = sorted({x["acceptance"] for _, r in spec_presets(d) for s in r["sweep"].values()
+                   for x in s["runs"]})
+    rows = []
+    for preset, r in spec_presets(d):
+        for batch, s in sorted(r["sweep"].items(), key=lambda kv: int(kv[0])):
+            cells = []
+            for a in accs:
+                runs = [x for x in s["runs"] if x["acceptance"] == a]
+                at4 = next((x for x in runs if x["k"] == 4), None)
+                best = max(runs, key=lambda x: x["speedup"])
+                cells.append(f"{times(at4['speedup'], 2) if at4 else '-'} "
+                             f"({times(best['speedup'], 2)}, k = {best['k']})")
+            rows.append([preset, batch, n0(s["plain"]["decode_tok_s"]), *cells,
+                         "yes" if s["identical_to_plain"] else "**no**"])
+    header = ["shape", "batch", "plain tok/s", *(f"a = {a:g}" for a in accs),
+              "same tokens"]
+    image = "![Speedup against acceptance](img/spec_decode.png)\n\n" if SPEC_IMG.is_file() else ""
+    return image + table(header, rows)
+
+
+@block("spec-bar", SPEC_CMD)
+def spec_bar(res: Results) -> str:
+    """The bar's checks: batch-1 speedup on the 8B shape, batch 32 with a missing proposer."""
+    d = spec_report(res)
+    if isinstance(d, NotMeasured):
+        return d
+    return table(["check", "measured", "met"],
+                 [[c["check"], times(c["value"], 2), "yes" if c["pass"] else "**no**"]
+                  for c in d["bar"]])
+
+
+@block("spec-ngram", SPEC_CMD)
+def spec_ngram(res: Results) -> str:
+    """The n-gram proposer on prompts the output copies, in full or for half the output."""
+    d = spec_report(res)
+    if isinstance(d, NotMeasured):
+        return d
+    rows = [[preset, x["batch"], pct(x["copied_fraction"], 0),
+             pct(x.get("acceptance_rate", 0.0), 0), f2(x.get("mean_acceptance_length", 1.0)),
+             times(x["speedup"], 2)]
+            for preset, r in spec_presets(d) for x in r["ngram"].values()]
+    return table(["shape", "batch", "output copied", "proposals accepted",
+                  "tokens per verification", "speedup"], rows)
+
+
+@block("spec-draft", SPEC_CMD)
+def spec_draft(res: Results) -> str:
+    """A draft model whose every proposal is accepted: what its forwards cost."""
+    d = spec_report(res)
+    if isinstance(d, NotMeasured):
+        return d
+    rows = [[preset, x["draft_preset"], x["batch"], x["k"], times(x["speedup"], 2),
+             pct(x.get("draft_time_fraction", 0.0), 0)]
+            for preset, r in spec_presets(d) for x in r["draft"].values()]
+    return table(["target", "draft", "batch", "k", "speedup", "draft's share of the step"], rows)
+
+
+@block("spec-real", SPEC_CMD)
+def spec_real(res: Results) -> str:
+    """Acceptance of a trained draft/target pair on text, or why there is none."""
+    d = spec_report(res)
+    if isinstance(d, NotMeasured):
+        return d
+    real = d["real_pair"]
+    if real.get("status") != "ok":
+        return f"*No trained pair in this run ({real.get('status')}): " \
+               f"{real.get('reason') or real.get('error')}.*"
+    rows = [[f"{x['temperature']:g}", x["k"], "yes" if x["speculative"] else "no",
+             f1(x["tok_s"]),
+             pct(x["acceptance_rate"], 0) if x["acceptance_rate"] is not None else "-"]
+            for x in real["runs"]]
+    return table(["temperature", "k", "speculative", "tok/s", "proposals accepted"], rows)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -32,10 +32,11 @@ from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.distributed.executor import Executor, WorkerDiedError
 from mini_vllm.engine.async_scheduling import AsyncScheduling
 from mini_vllm.engine.input_processor import InputProcessor, ProcessedRequest
+from mini_vllm.engine.speculative import SpecRows, SpeculativeSteps
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import Sampler, SamplingMetadata, make_generator
+from mini_vllm.sampler import Sampler, SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
@@ -100,7 +101,7 @@ class _Group:
 # --8<-- [end:state]
 
 
-class LLMEngine(AsyncScheduling):
+class LLMEngine(AsyncScheduling, SpeculativeSteps):
     """Scheduler + model runner + sampler + detokenizer, one `step()` at a time.
 
     Not thread-safe: one thread drives it (`LLM` directly, `AsyncLLM` from its
@@ -130,6 +131,7 @@ class LLMEngine(AsyncScheduling):
         )
         self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_manager)
         self.sampler = make_sampler(engine_config.device)
+        self._init_speculative(engine_config)  # speculative decoding, when configured
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, tuple[_Group, _Completion]] = {}
         self.async_scheduling = engine_config.async_scheduling
@@ -194,6 +196,8 @@ class LLMEngine(AsyncScheduling):
             request = Request(child_id, req.prompt_token_ids, req.params, req.arrival_time,
                               priority=req.priority, eos_token_ids=self.eos_token_ids,
                               parent_id=req.request_id if n > 1 else None)
+            if self.spec_policy is not None:
+                self.spec_policy.start(request)
             group.completions.append(_Completion(
                 index=i,
                 request=request,
@@ -252,7 +256,10 @@ class LLMEngine(AsyncScheduling):
         """Run the model and the sampler for a scheduled step without waiting for them.
 
         `prev`: the step launched before and not read back yet (async scheduling).
+        A step with proposal slots is a speculative step (`_launch_spec`).
         """
+        if self._speculates(sched):
+            return self._launch_spec(sched, prev)
         entries = self._batch_entries(sched, prev)
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
@@ -279,7 +286,8 @@ class LLMEngine(AsyncScheduling):
             host=self.model_runner.to_host(tensors),  # the copies start; nothing waits
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
-            needs_values=any(_uses_penalties(c.request.sampling_params) for _, c in sampling),
+            needs_values=(any(_uses_penalties(c.request.sampling_params) for _, c in sampling)
+                          or self._wants_values(sampling)),
             decode_only=decode_only,
         )
     # --8<-- [end:launch]
@@ -311,13 +319,18 @@ class LLMEngine(AsyncScheduling):
         metadata = last[1].next_step() if same else None
         if metadata is None:
             metadata = self.sampler.build_metadata(
-                [(c.request.sampling_params, c.generator, c.request.prompt_token_ids,
-                  c.request.output_token_ids, c.noise_key) for _, c in sampling],
+                [self._sampling_request(c) for _, c in sampling],
                 device=device, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             )
         self._last_sampling = (rows, metadata)
         return metadata
     # --8<-- [end:sampling_metadata]
+
+    def _sampling_request(self, c: _Completion) -> SamplingRequest:
+        """What the sampler needs to know about a completion's row."""
+        r = c.request
+        return SamplingRequest(r.sampling_params, c.generator, r.prompt_token_ids,
+                               r.output_token_ids, c.noise_key)
 
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:
@@ -334,8 +347,10 @@ class LLMEngine(AsyncScheduling):
                 self.stats["gpu_busy_decode_s"] += busy
         if not step.rows:
             return []
-        token_ids = tensors[0].tolist()
         logprobs = _LogprobRows(*tensors[1:]) if len(tensors) > 1 else None
+        if step.spec is not None:  # several tokens a row (engine/speculative.py)
+            return self._record_spec(step, tensors, logprobs, now)
+        token_ids = tensors[0].tolist()
         touched: dict[str, _Group] = {}
         skipped = 0
         for row, ((group, c, index), token_id) in enumerate(zip(step.rows, token_ids)):
@@ -477,6 +492,8 @@ class LLMEngine(AsyncScheduling):
         """Scheduler and KV-cache statistics plus token counters, JSON-friendly."""
         stats = dict(vars(self.scheduler.get_stats()))
         stats.update(self.stats)
+        if self.spec_stats is not None:
+            stats.update(self.spec_stats.as_dict())
         return stats
 
 
@@ -511,8 +528,10 @@ class _Step:
     host: HostCopy  # the sampled ids (and logprobs) on their way to the host
     row_of: dict[str, int]  # child request id -> row of `sampled`
     sampled: torch.Tensor | None  # [rows] on the device, read by the next step
-    needs_values: bool  # a row uses penalties: read it back before the next schedule
+    # A row uses penalties or will speculate: read it back before the next schedule.
+    needs_values: bool
     decode_only: bool = False  # every sequence decoded one token (statistics)
+    spec: SpecRows | None = None  # a speculative step: several tokens a row
 # --8<-- [end:launched_step]
 
 

@@ -53,6 +53,15 @@ class EngineStatsCollector(Collector):
          "Prompt tokens looked up in the prefix cache.", "counter"),
         ("prefix_cache_hits", "mini_vllm:prefix_cache_hits",
          "Prompt tokens found in the prefix cache.", "counter"),
+        # Speculative decoding (present only when it is configured).
+        ("spec_decode_num_drafts", "mini_vllm:spec_decode_num_drafts",
+         "Sequence-steps that verified proposals.", "counter"),
+        ("spec_decode_num_draft_tokens", "mini_vllm:spec_decode_num_draft_tokens",
+         "Proposed tokens.", "counter"),
+        ("spec_decode_num_accepted_tokens", "mini_vllm:spec_decode_num_accepted_tokens",
+         "Proposed tokens accepted.", "counter"),
+        ("spec_decode_draft_time_fraction", "mini_vllm:spec_decode_draft_time_fraction",
+         "The proposer's share of the speculative steps' time.", "gauge"),
     )
 
     def __init__(self, get_stats: Callable[[], dict[str, Any]], model_name: str) -> None:

@@ -41,7 +41,7 @@ from mini_vllm.gpu.cuda_graphs import (
     piecewise_sizes,
 )
 from mini_vllm.gpu.fused_layers import prepare_forward
-from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner, _check_prev
+from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner, _check_prev, logits_rows
 from mini_vllm.ops._extension import num_sms
 from mini_vllm.ops.paged_attention import decode_grid, default_decode_version, longest_first
 from mini_vllm.ops.prefill import CAPTURABLE_PREFILL_BACKENDS
@@ -343,8 +343,13 @@ class GPUModelRunner(ModelRunner):
             if padded is not None:
                 return self._replay_decode(entries, query_lens, starts, sample, prev_rows,
                                            prev_sampled, padded)
-        return self._run_flat(entries, query_lens, starts, sample, prev_rows, prev_sampled,
-                              use_graph)
+        num_logits = np.fromiter((e.num_logits for e in entries), np.int64, n)
+        if num_logits.min() < 1 or (num_logits > query_lens).any():
+            i = int(np.flatnonzero((num_logits < 1) | (num_logits > query_lens))[0])
+            raise ValueError(f"entry {i}: num_logits must be in 1..{query_lens[i]} (its new "
+                             f"tokens), got {num_logits[i]}")
+        return self._run_flat(entries, query_lens, starts, np.where(sample, num_logits, 0),
+                              prev_rows, prev_sampled, use_graph)
     # --8<-- [end:execute_fast]
 
     def _host_layout(
@@ -433,13 +438,16 @@ class GPUModelRunner(ModelRunner):
     # --8<-- [start:run_flat]
     def _run_flat(
         self, entries: list[BatchEntry], query_lens: np.ndarray, starts: np.ndarray,
-        sample: np.ndarray, prev_rows: np.ndarray, prev_sampled: torch.Tensor | None,
+        num_logits: np.ndarray, prev_rows: np.ndarray, prev_sampled: torch.Tensor | None,
         use_graph: bool,
     ) -> torch.Tensor:
         """Any step as one flat batch, its decodes moved to the front.
 
         The decode kernel takes the first `num_decodes` sequences, prefill
-        attention the rest; the logits come back in the entries' order. With
+        attention the rest (a speculative step's verified runs among them:
+        several new tokens after a cached context, as a prompt chunk has);
+        the logits (the last `num_logits[i]` tokens of entry `i`, 0 for an
+        entry that does not sample) come back in the entries' order. With
         `use_graph` and a piecewise graph of enough tokens, the step replays
         it (its tokens padded to that size), and a lone prompt with no cached
         prefix the graph of its whole forward where there is one; otherwise
@@ -458,9 +466,9 @@ class GPUModelRunner(ModelRunner):
         token_inputs = _token_rows(host, size or num_tokens)
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        last_rows = np.empty(n, dtype=np.int64)  # last new token of each entry, entry order
-        last_rows[order] = query_start_loc[1:] - 1
-        logits_indices = last_rows[sample]  # [N]
+        ends = np.empty(n, dtype=np.int64)  # where each entry's tokens end, entry order
+        ends[order] = query_start_loc[1:]
+        logits_indices = logits_rows(ends, num_logits)  # [N]
         prefill_start_loc = query_start_loc[num_decodes:] - query_start_loc[num_decodes]
         context_lens = host["context_lens"]
         has_prev = prev_rows >= 0

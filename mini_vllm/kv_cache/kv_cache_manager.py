@@ -252,7 +252,9 @@ class KVCacheManager:
                 )
                 self.num_cached_blocks[req_id] = num_full
         # --8<-- [end:cache_known_blocks]
-        table = block_ids[: len(req_blocks)]  # only appended to later: a stable view
+        # Only appended to later (or cut back by `truncate` once the step that
+        # read it has run): a stable view.
+        table = block_ids[: len(req_blocks)]
         table.flags.writeable = False
         return table
     # --8<-- [end:allocate_slots]
@@ -270,6 +272,35 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
     # --8<-- [end:free]
+
+    # --8<-- [start:truncate]
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep the blocks that hold a request's first `num_tokens` tokens; free the rest.
+
+        Speculative decoding's rollback: block size 4, 6 tokens kept of 11 written,
+
+        ```
+        positions   0 1 2 3 | 4 5 6 7 | 8 9 10
+        kept        x x x x | x x . . | .  .  .
+        blocks        [7]       [2]       [5]   -> block 5 goes back to the pool
+        ```
+
+        Block 2 keeps its rejected tail (slots 6, 7), which the next step
+        overwrites. Blocks entered in the prefix cache hold known tokens
+        only, all of them among the kept ones, so none is freed here.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        if keep < self.num_cached_blocks[request.request_id]:
+            raise ValueError(f"truncate: {request.request_id!r} would lose blocks that are in "
+                             "the prefix cache")
+        if keep < len(blocks):
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(tail))
+    # --8<-- [end:truncate]
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes (e.g. after the weights changed)."""

@@ -370,3 +370,20 @@ def test_tp2_on_gpus_with_graphs_matches_tp1(gpu_model_dir: Path, dtype: str) ->
         first = w.token_ids[0]
         assert g.logprobs[0][first].logprob == pytest.approx(w.logprobs[0][first].logprob,
                                                              abs=0.05)
+
+
+def test_speculative_decoding_under_tp(tiny_model_dir: Path) -> None:
+    """n-gram speculation at TP = 2: the verify steps' entries reach every rank and the
+    greedy tokens are still the one-rank engine's, with proposals accepted."""
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    prompts = ["a b c d a b c d a b c d a b c d a b c d a b", "one two one two one two one"]
+    want = [ids for ids, _ in _reference(tiny_model_dir, "ngram", params=params,
+                                         prompts=prompts)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1, "adaptive": False}
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        assert [ids for ids, _ in _run(llm, params, prompts)] == want
+        assert llm.engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
