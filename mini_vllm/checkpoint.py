@@ -6,18 +6,15 @@
 tests all read our checkpoints through the same code as real ones. The tokenizer is the
 byte-level BPE shipped in `mini_vllm/data/` (built by `scripts/build_tokenizer.py`); the
 weights are random but deterministic in the seed. `resolve_model_dir` turns a user's
-`--model` argument into a checkpoint directory, writing the embedded tiny default on
-first use.
+`--model` argument into a checkpoint directory; without one it is the embedded default,
+a tiny Qwen3 trained by `scripts/train_tiny.py` and shipped in `mini_vllm/data/default_model/`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,11 +28,12 @@ from mini_vllm.config import resolve_dtype
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TOKENIZER_FILE = DATA_DIR / "tokenizer.json"
 CHAT_TEMPLATE_FILE = DATA_DIR / "chat_template.jinja"
+# The embedded default model: a checkpoint directory inside the package, written by
+# scripts/train_tiny.py (trained weights, the shipped tokenizer and chat template).
+DEFAULT_MODEL_DIR = DATA_DIR / "default_model"
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 DEFAULT_PRESET = "tiny"
-# Bump when the way weights are generated changes, so cached default models are rebuilt.
-_WEIGHTS_FORMAT_VERSION = "1"
 
 # Token ids of the shipped tokenizer's added tokens that config files refer to. The
 # test suite checks them against tokenizer.json (they are at the end of the vocabulary,
@@ -300,11 +298,61 @@ def write_tokenizer_files(out_dir: Path, model_max_length: int) -> None:
     })
 
 
+def _tokenizer_ids(tokenizer_json: dict[str, Any]) -> set[int]:
+    return set(tokenizer_json["model"]["vocab"].values()) | {
+        t["id"] for t in tokenizer_json["added_tokens"]}
+
+
+# --8<-- [start:cover_vocabulary]
+def cover_vocabulary(model_dir: str | Path) -> int:
+    """Give every id of the model's vocabulary a text; return how many ids gained one.
+
+    The shipped tokenizer has 2,331 tokens; a checkpoint in a real model's shape has a
+    vocabulary of 151,936 ids. A random-weight model samples ids from all of them, and
+    without this 98.5 % of what it generates would decode to no text at all (a stream
+    would carry a chunk only every 60 tokens or so). So each id the tokenizer lacks
+    becomes an added, non-special token whose text is `" w<id>"`: every sampled id
+    reads as a word, as with a real tokenizer that covers its vocabulary. Encoding is
+    unchanged for any text that does not spell those words, and ids the tokenizer
+    already has keep their texts. `tokenizer_config.json`, where transformers looks for
+    added tokens, lists them too.
+    """
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    have = _tokenizer_ids(tokenizer)
+    added = [{"id": i, "content": f" w{i}", "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": False}
+             for i in range(vocab_size) if i not in have]
+    if not added:
+        return 0
+    tokenizer["added_tokens"] += added
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        decoder = config.setdefault("added_tokens_decoder", {})
+        for token in added:
+            decoder[str(token["id"])] = {k: v for k, v in token.items() if k != "id"}
+        config_path.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    return len(added)
+# --8<-- [end:cover_vocabulary]
+
+
+def _needs_covering(vocab_size: int) -> bool:
+    """Whether a vocabulary reaches past the shipped tokenizer by more than the padding
+    to a multiple of 64 (ids without text that the tiny presets keep, as Qwen3 does)."""
+    tokens = len(_tokenizer_ids(json.loads(TOKENIZER_FILE.read_text(encoding="utf-8"))))
+    return vocab_size > -(-tokens // 64) * 64
+
+
 # --8<-- [start:make_model]
 def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
                dtype: str | torch.dtype | None = None,
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, weights: bool = True,
-               overrides: Mapping[str, Any] | None = None) -> Path:
+               overrides: Mapping[str, Any] | None = None,
+               every_id_text: bool | None = None) -> Path:
     """Write a Hugging Face-format Qwen3 checkpoint with random weights.
 
     Args:
@@ -319,6 +367,9 @@ def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
         weights: False writes only the config and tokenizer files (fast, for checking a
             large preset's shapes without gigabytes of weights).
         overrides: `config.json` fields to change (e.g. `{"num_hidden_layers": 2}`).
+        every_id_text: give every id of the vocabulary a text (`cover_vocabulary`);
+            None does so where the vocabulary is much larger than the shipped tokenizer
+            (the real shapes), so that what a random model generates reads as words.
 
     Returns:
         The checkpoint directory.
@@ -342,6 +393,8 @@ def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", GENERATION_CONFIG)
     write_tokenizer_files(out, model_max_length=config["max_position_embeddings"])
+    if every_id_text if every_id_text is not None else _needs_covering(config["vocab_size"]):
+        cover_vocabulary(out)
     if weights:
         write_weights(out, config, seed, max_shard_bytes)
     return out
@@ -349,42 +402,38 @@ def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
 
 
 def default_model_dir() -> Path:
-    """Where the embedded default model lives: `$MINI_VLLM_CACHE/default-tiny`
-    (or `~/.cache/mini-vllm/default-tiny`)."""
-    root = os.environ.get("MINI_VLLM_CACHE") or Path.home() / ".cache" / "mini-vllm"
-    return Path(root).expanduser() / "default-tiny"
-
-
-def _default_stamp() -> str:
-    """A fingerprint of everything the default model's files depend on."""
-    h = hashlib.sha256()
-    h.update(TOKENIZER_FILE.read_bytes())
-    h.update(CHAT_TEMPLATE_FILE.read_bytes())
-    h.update(json.dumps([PRESETS[DEFAULT_PRESET], GENERATION_CONFIG,
-                         _WEIGHTS_FORMAT_VERSION], sort_keys=True).encode())
-    return h.hexdigest()
+    """Where the embedded default model lives: `mini_vllm/data/default_model/` inside the
+    installed package (uninstalling mini-vllm removes it; nothing is written elsewhere)."""
+    return DEFAULT_MODEL_DIR
 
 
 _MISSING_MODEL_HINT = (
     "make one with `mini-vllm make-model DIR --preset tiny`, or download a real one with "
-    "`huggingface-cli download Qwen/Qwen3-0.6B --local-dir ./qwen3`"
+    "`hf download Qwen/Qwen3-0.6B --local-dir ./qwen3`"
 )
 
 
+# --8<-- [start:resolve_model_dir]
 def resolve_model_dir(model: str | Path | None) -> Path:
     """Turn a `--model` argument into a checkpoint directory.
 
     Args:
         model: a directory holding a Hugging Face Qwen3 checkpoint, or None for the
-            embedded default: the `tiny` preset (seed 0), written once into the cache
-            directory (see `default_model_dir`) and reused while the shipped tokenizer and
-            preset are unchanged.
+            embedded default model (see `default_model_dir`).
 
     Raises:
-        FileNotFoundError: when `model` is not a directory with a `config.json`.
+        FileNotFoundError: when `model` is not a directory with a `config.json`, or the
+            installed package lacks the default model's files.
     """
     if model is None:
-        return _ensure_default_model()
+        path = default_model_dir()
+        missing = [name for name in ("config.json", "model.safetensors", "tokenizer.json",
+                                     "tokenizer_config.json") if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"the embedded default model in {path} lacks {', '.join(missing)}: reinstall "
+                "mini-vllm, retrain it with `python scripts/train_tiny.py`, or pass --model")
+        return path
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         what = ("has no config.json" if path.is_dir()
@@ -392,31 +441,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         raise FileNotFoundError(
             f"model directory {str(model)!r} {what}: {_MISSING_MODEL_HINT}")
     return path
-
-
-def _ensure_default_model() -> Path:
-    target = default_model_dir()
-    stamp = _default_stamp()
-    stamp_file = target / ".mini-vllm-stamp"
-    if stamp_file.is_file() and stamp_file.read_text() == stamp:
-        return target
-    # Write next to the target and rename, so a concurrent reader never sees half a model.
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".default-tiny-", dir=target.parent))
-    try:
-        make_model(tmp, preset=DEFAULT_PRESET, seed=0)
-        (tmp / ".mini-vllm-stamp").write_text(stamp)
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process installed it first; use theirs if it is complete.
-            if not (stamp_file.is_file() and stamp_file.read_text() == stamp):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+# --8<-- [end:resolve_model_dir]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -425,8 +450,10 @@ def _write_json(path: Path, obj: Any) -> None:
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "DEFAULT_MODEL_DIR",
     "GENERATION_CONFIG",
     "PRESETS",
+    "cover_vocabulary",
     "default_model_dir",
     "make_model",
     "preset_config",

@@ -473,6 +473,12 @@ class EngineConfig:
         return self.tokenizer or self.model
 
 
+# `max_num_seqs` when none is given. On the CPU the KV cache is sized for what
+# this many sequences of `max_model_len` tokens can fill (ModelRunner).
+CUDA_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 128
+
+
 @dataclass
 class EngineArgs:
     """Engine arguments named as vLLM names them (also the CLI's flags).
@@ -509,6 +515,11 @@ class EngineArgs:
 
     `speculative_config`: speculative decoding (a dict, or its JSON text, as
     vLLM takes it: `spec_decode.config.SpeculativeConfig`); None is off.
+
+    `max_num_seqs` `None` means 256 on a GPU and 128 on the CPU (vLLM's CPU
+    server default): the CPU's KV cache is capped at what `max_num_seqs`
+    sequences of `max_model_len` tokens can fill, and a CPU gains little from
+    more requests in flight.
     """
 
     model: str | None = None
@@ -518,7 +529,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -597,6 +608,9 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = CUDA_MAX_NUM_SEQS if device.type == "cuda" else CPU_MAX_NUM_SEQS
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
@@ -619,7 +633,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
