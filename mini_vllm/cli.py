@@ -4,13 +4,13 @@
 mini-vllm [serve] --model DIR [engine flags] [--host --port ...]   OpenAI-compatible server
 mini-vllm chat --model DIR                                         chat in the terminal
 mini-vllm generate --model DIR --prompt TEXT                       print one completion
-mini-vllm make-model DIR --preset tiny                             write a random-weight Qwen3
+mini-vllm make-model DIR --preset tiny                             write a random-weight checkpoint
 ```
 
 Engine flags are made from `EngineArgs`' fields, named as vLLM names them
 (`max_num_seqs` is `--max-num-seqs`), and the server's from `FrontendArgs`'
 (`--api-key`, `--max-n-sequences` ...). Without `--model` a command uses the
-embedded default: the tiny preset, written once into a cache directory.
+embedded default: a tiny Qwen3 the project trained, shipped inside the package.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ logger = logging.getLogger("mini_vllm")
 
 # One help line per `EngineArgs` field; a field without an entry still gets a flag.
 _ENGINE_ARG_HELP: dict[str, str] = {
-    "model": "checkpoint directory (Hugging Face Qwen3 format); default: the embedded tiny "
-             "random-weight model",
+    "model": "checkpoint directory in the Hugging Face format (Qwen3, Llama, Mistral, Qwen2, "
+             "GPT-2, Qwen3-MoE); default: the embedded tiny Qwen3 trained by the project",
     "tokenizer": "tokenizer directory, if not the model's",
     "dtype": "weights and activations dtype: auto (bfloat16 on a GPU, float32 on the CPU), "
              "float32, bfloat16 or float16",
@@ -378,7 +378,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     config = engine.engine_config
     model_name = app.state.model_name
     base = f"{'https' if args.ssl_certfile else 'http'}://{ns.host}:{sock.getsockname()[1]}"
-    example = json.dumps({"model": model_name, "max_tokens": 32,
+    example = json.dumps({"model": model_name, "max_tokens": 64,
                           "messages": [{"role": "user", "content": "Hello!"}]})
     key_header = " -H 'Authorization: Bearer $KEY'" if args.api_key else ""
     print(f"mini-vllm {mini_vllm.__version__}\n"
