@@ -1291,7 +1291,9 @@ def fold_gain(res: Results) -> str:
 # ----------------------------------------------------------------------------- speculative decoding
 
 SPEC_FILE = "spec_decode.json"
-SPEC_CMD = "python benchmarks/spec_decode.py --output benchmarks/results/spec_decode.json"
+SPEC_CMD = ("python benchmarks/spec_decode.py --batches 1 8 32 --ks 1 2 4 6 "
+            "--acceptance 0.0 0.5 0.7 0.9 --output-len 96 "
+            "--output benchmarks/results/spec_decode.json")
 SPEC_IMG = REPO_ROOT / "chapters" / "img" / "spec_decode.png"
 
 

@@ -277,7 +277,8 @@ class GPUModelRunner(ModelRunner):
             self.piecewise_runner = PiecewiseGraphRunner(
                 self.forward, self.kv_caches, sizes, self.num_heads,
                 self.num_kv_heads, cfg.head_dim, self.dtype, self.device,
-                max_prompt_tokens=MAX_PROMPT_GRAPH_TOKENS if flash else 0)
+                # (a lone prompt is at most max_model_len tokens)
+                max_prompt_tokens=min(MAX_PROMPT_GRAPH_TOKENS, sched.max_model_len) if flash else 0)
             self.piecewise_runner.capture(pool)
         max_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         self.graph_runner = CudaGraphRunner(
