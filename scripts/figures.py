@@ -1336,6 +1336,42 @@ def spec_sweep(res: Results) -> str:
     return image + table(header, rows)
 
 
+MODELS_CMD = ('STAGES="moe bench summary" SHAPES="qwen3-8b llama3-8b qwen2.5-7b mistral-7b '
+              'qwen3-30b-a3b" bash scripts/gpu_models.sh; python benchmarks/throughput.py --preset '
+              'gpt2-xl --backends mini-vllm --max-model-len 1024 --input-len-range 100 500 '
+              '--max-tokens-range 100 500 (one job)')
+MODEL_SHAPES = ("qwen3-8b", "llama3-8b", "mistral-7b", "qwen2.5-7b", "gpt2-xl", "qwen3-30b-a3b")
+
+
+@block("models-throughput", MODELS_CMD)
+def models_throughput(res: Results) -> str:
+    """Each family's real shape on the standard workload (random weights), against its
+    floor in bytes and FLOPs, and the distance to Qwen3-8B's fraction of its floor."""
+    base = res("models/throughput_qwen3-8b.json")["results"]["mini-vllm"]["fraction_of_floor"]
+    rows = []
+    for shape in MODEL_SHAPES:
+        d = res(f"models/throughput_{shape}.json")
+        r, f = d["results"]["mini-vllm"], d["floor"]
+        rows.append([f"`{shape}`", n0(r["output_tok_s"]), n0(f["floor_output_tok_s"]),
+                     pct(r["fraction_of_floor"]),
+                     "–" if shape == "qwen3-8b" else f"{100 * (base - r['fraction_of_floor']):.1f}"])
+    return table(["shape", "output tok/s", "floor tok/s", "fraction of the floor",
+                  "points below Qwen3-8B"], rows)
+
+
+@block("models-moe", "python benchmarks/moe.py --output benchmarks/results/models/moe.json")
+def models_moe(res: Results) -> str:
+    """One Qwen3-30B-A3B MoE layer's experts (128 of 768, top 8, hidden 2,048), three ways,
+    each against the bytes of the experts its tokens touch."""
+    d = res("models/moe.json")
+    rows = [[n0(r["tokens"]), f"{r['experts_read']:.0f}", f"{r['floor_ms']:.3f} ms",
+             f"{r['reference_ms']:.2f} ms", f"{r['sorted_loop_ms']:.2f} ms",
+             f"{r['grouped_ms']:.3f} ms", pct(r["grouped_fraction_of_floor"])]
+            for r in d["results"]]
+    return table(["tokens", "experts read", "floor", "reference loop", "sorted loop",
+                  "grouped GEMM", "grouped: fraction of the floor"], rows)
+
+
 @block("spec-bar", SPEC_CMD)
 def spec_bar(res: Results) -> str:
     """The bar's checks: batch-1 speedup on the 8B shape, batch 32 with a missing proposer."""
