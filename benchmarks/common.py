@@ -189,7 +189,7 @@ class ModelShape:
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a Hugging Face `config.json` dict of any supported family (read by
         `mini_vllm.config.ModelConfig`, which knows each family's field names)."""
-        from mini_vllm.config import ModelConfig
+        from mini_vllm.model_config import ModelConfig
 
         c = ModelConfig.from_dict(config)
         gpt2 = c.architecture == "GPT2LMHeadModel"
@@ -584,7 +584,7 @@ def measure_matmul_flops(device: str = "cuda", dtype: str = "bfloat16", n: int |
     """
     import torch
 
-    from mini_vllm.config import resolve_dtype
+    from mini_vllm.model_config import resolve_dtype
 
     dev = torch.device(device)
     n = n or (8192 if dev.type == "cuda" else 512)
@@ -619,7 +619,7 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per value of a dtype name."""
-    from mini_vllm.config import resolve_dtype
+    from mini_vllm.model_config import resolve_dtype
 
     return resolve_dtype(dtype).itemsize
 
@@ -696,7 +696,7 @@ def load_hf_model(model_dir: str | Path, dtype: str, device: str, attn_implement
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mini_vllm.config import resolve_dtype
+    from mini_vllm.model_config import resolve_dtype
 
     torch_dtype = resolve_dtype(dtype)
 

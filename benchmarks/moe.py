@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    from mini_vllm.config import resolve_dtype
     from mini_vllm.layers.fused_moe import FusedMoE, _grouped_mm_fn
+    from mini_vllm.model_config import resolve_dtype
 
     ns = build_parser().parse_args(argv)
     device = torch.device(resolve_device(ns.device))

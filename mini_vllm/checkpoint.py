@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mini_vllm.config import resolve_dtype
+from mini_vllm.model_config import resolve_dtype
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TOKENIZER_FILE = DATA_DIR / "tokenizer.json"

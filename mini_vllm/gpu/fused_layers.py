@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from mini_vllm.attention import AttentionMetadata, KVCache
-from mini_vllm.config import ModelConfig
 from mini_vllm.layers import FusedMoE, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from mini_vllm.layers._fast import kernels_run_on
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.ops import layer_ops
 
 

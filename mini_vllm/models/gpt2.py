@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
-from mini_vllm.config import ModelConfig
 from mini_vllm.layers import Attention, LayerNorm, Linear, LMHead, VocabEmbedding, get_act_fn
+from mini_vllm.model_config import ModelConfig
 
 
 # --8<-- [start:block]

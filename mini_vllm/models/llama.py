@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
-from mini_vllm.config import ModelConfig
 from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.layers import (
     Attention,
@@ -38,6 +37,7 @@ from mini_vllm.layers import (
     VocabParallelEmbedding,
     get_rope,
 )
+from mini_vllm.model_config import ModelConfig
 
 
 # --8<-- [start:attention]

@@ -37,10 +37,10 @@ from safetensors import safe_open
 from torch import nn
 
 from mini_vllm.attention import AttentionBackend
-from mini_vllm.config import ModelConfig
 from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.layers import LayerNorm, RMSNorm, select_implementations
 from mini_vllm.layers.linear import copy_checked
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.models.registry import get_model_class, supports_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -51,7 +51,7 @@ from mini_vllm.checkpoint import (
     _write_json,
     write_tokenizer_files,
 )
-from mini_vllm.config import resolve_dtype
+from mini_vllm.model_config import resolve_dtype
 
 BPE_VOCAB_SIZE = 1024  # learned tokens (bytes included) of the llama3 / gpt2 / mistral styles
 

@@ -9,7 +9,7 @@ for Mistral, from layer `max_window_layers` on.
 
 from __future__ import annotations
 
-from mini_vllm.config import ModelConfig
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.models.llama import LlamaForCausalLM
 
 

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
-from mini_vllm.config import ModelConfig
 from mini_vllm.distributed.parallel_state import ParallelContext
 from mini_vllm.layers import (
     Attention,
@@ -40,6 +39,7 @@ from mini_vllm.layers import (
     VocabParallelEmbedding,
     get_rope,
 )
+from mini_vllm.model_config import ModelConfig
 
 
 # --8<-- [start:attention]

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from mini_vllm.attention import AttentionBackend, AttentionMetadata, KVCache
-from mini_vllm.config import ModelConfig
 from mini_vllm.layers import (
     FusedMoE,
     Linear,
@@ -31,6 +30,7 @@ from mini_vllm.layers import (
     VocabEmbedding,
     get_rope,
 )
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.models.qwen3 import Qwen3Attention, Qwen3MLP
 
 

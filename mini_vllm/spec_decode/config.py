@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mini_vllm.config import ModelConfig
+from mini_vllm.model_config import ModelConfig
 
 METHODS = ("ngram", "draft_model")
 # The longest run of proposals one step may verify: more is never worth a

@@ -10,7 +10,6 @@ import torch
 
 from mini_vllm import ops
 from mini_vllm.attention import AttentionMetadata, TorchAttentionBackend
-from mini_vllm.config import ModelConfig
 from mini_vllm.gpu.fused_layers import (
     FusedDecoderForward,
     fold_norm_weights,
@@ -19,6 +18,7 @@ from mini_vllm.gpu.fused_layers import (
     prepare_forward,
 )
 from mini_vllm.layers import RotaryEmbedding, select_implementations
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.models.loader import load_weights
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.ops import layer_ops

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from mini_vllm import ops
-from mini_vllm.config import ModelConfig
 from mini_vllm.layers import Linear, select_implementations
 from mini_vllm.layers import linear as linear_module
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.models.qwen3 import Qwen3ForCausalLM
 from mini_vllm.ops._extension import extension
 from mini_vllm.ops.gemv import (

@@ -29,12 +29,13 @@ from test_phase2 import Blocks, all_logits, hf_greedy, hf_logits, random_prompts
 
 from mini_vllm import LLM, SamplingParams, ops
 from mini_vllm.checkpoint import make_model
-from mini_vllm.config import EngineArgs, EngineConfig, ModelConfig
+from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.gpu.attention import CudaAttentionBackend, check_sliding_window
 from mini_vllm.gpu.cuda_graphs import PiecewiseGraphRunner
 from mini_vllm.gpu.fused_layers import FusedDecoderForward, attention_kind, foldable, mlp_kind
 from mini_vllm.gpu.model_runner import GPUModelRunner
 from mini_vllm.layers import FusedMoE, get_rope
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.model_runner import BatchEntry, ModelRunner
 from mini_vllm.models import get_model_class, load_model, supported_architectures
 from mini_vllm.models.presets import FAMILY_PRESETS

@@ -25,7 +25,7 @@ from mini_vllm.checkpoint import (
     resolve_model_dir,
     weight_shapes,
 )
-from mini_vllm.config import ModelConfig
+from mini_vllm.model_config import ModelConfig
 from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.phase1
