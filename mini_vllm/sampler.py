@@ -144,7 +144,8 @@ class SamplingMetadata:
         output_token_counts: [N, V] int32, occurrences in a row's output
             (rows with a presence or frequency penalty only).
         min_tokens_index: (rows, token ids) to set to -inf for requests below
-            their min_tokens: their EOS (unless ignore_eos) and stop token ids.
+            their min_tokens: their EOS (unless ignore_eos) and stop token ids
+            (not for a request with structured outputs, whose grammar decides).
         generators: row -> generator, for random rows with their own generator.
         max_num_logprobs: the largest `logprobs` asked for; `None` if no row asks.
         grammar_bitmask: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of
@@ -259,7 +260,10 @@ class SamplingMetadata:
 
         rows, cols = [], []
         for i, r in enumerate(reqs):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            # A structured output's grammar alone decides where it may end (it
+            # allows EOS only there): min_tokens does not apply to it.
+            if (len(r.output_token_ids) < r.params.min_tokens
+                    and r.params.structured_outputs is None):
                 banned = {t for t in r.params.stop_token_ids if t < vocab_size}
                 if not r.params.ignore_eos:
                     banned.update(eos)
