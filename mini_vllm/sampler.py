@@ -296,17 +296,20 @@ def _build_token_constraints(meta: SamplingMetadata, reqs: Sequence[SamplingRequ
     """Fill `meta`'s grammar, allowed_token_ids, bad_words and logit_bias fields.
 
     Each is left `None` when no row uses it. The grammar rows' bitmask is
-    filled on the host, one matcher at a time, and copied to the device once.
+    filled on the host (a large batch on several threads) and copied to the
+    device once.
     """
     vocab_size = meta.vocab_size
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
     if rows:
-        bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
-        for j, i in enumerate(rows):
+        from mini_vllm.structured_output.grammar import fill_bitmasks  # (xgrammar: lazily)
+
+        for i in rows:
             if reqs[i].grammar.vocab_size != vocab_size:
                 raise ValueError(f"row {i}: its grammar covers {reqs[i].grammar.vocab_size} "
                                  f"token ids, the logits {vocab_size}")
-            reqs[i].grammar.fill_bitmask(bitmask, j)
+        bitmask = torch.empty((len(rows), bitmask_width(vocab_size)), dtype=torch.int32)
+        fill_bitmasks([reqs[i].grammar for i in rows], bitmask)  # every word written
         meta.grammar_bitmask = (_to_device(rows, torch.int64, device),
                                 _to_device(bitmask, torch.int32, device))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -357,15 +358,18 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
     # --8<-- [end:step]
 
     # --8<-- [start:launch]
-    def _launch(self, sched: SchedulerOutput,
-                prev: _Step | None = None) -> _Step | list[RequestOutput]:
+    def _launch(self, sched: SchedulerOutput, prev: _Step | None = None,
+                before_sampling: Callable[[], None] | None = None
+                ) -> _Step | list[RequestOutput]:
         """Run the model and the sampler for a scheduled step without waiting for them.
 
         `prev`: the step launched before and not read back yet (async scheduling).
+        `before_sampling`: called once the forward is queued, before the
+        sampler's inputs are built (async scheduling reads `prev` back there).
         A step with proposal slots is a speculative step (`_launch_spec`).
         """
         if self._speculates(sched):
-            return self._launch_spec(sched, prev)
+            return self._launch_spec(sched, prev, before_sampling)
         entries = self._batch_entries(sched, prev)
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
@@ -375,6 +379,8 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 self._last_sampling = None
                 return _Step([], self.model_runner.to_host([]), {}, None, False, decode_only)
+            if before_sampling is not None:
+                before_sampling()
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except WorkerDiedError:
@@ -392,9 +398,9 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             host=self.model_runner.to_host(tensors),  # the copies start; nothing waits
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
-            needs_values=(any(_depends_on_tokens(c) for _, c in sampling)
-                          or self._wants_values(sampling)),
+            needs_values=self._wants_values(sampling),
             decode_only=decode_only,
+            sampler_needs_values=any(_depends_on_tokens(c) for _, c in sampling),
         )
     # --8<-- [end:launch]
 
@@ -683,10 +689,13 @@ class _Step:
     host: HostCopy  # the sampled ids (and logprobs) on their way to the host
     row_of: dict[str, int]  # child request id -> row of `sampled`
     sampled: torch.Tensor | None  # [rows] on the device, read by the next step
-    # A row uses penalties or will speculate: read it back before the next schedule.
+    # A row will speculate: read it back before the next schedule.
     needs_values: bool
     decode_only: bool = False  # every sequence decoded one token (statistics)
     spec: SpecRows | None = None  # a speculative step: several tokens a row
+    # A row's next sampling depends on its tokens' values (penalties, a grammar,
+    # bad words): read it back before the next step's sampler.
+    sampler_needs_values: bool = False
 # --8<-- [end:launched_step]
 
 

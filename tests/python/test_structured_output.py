@@ -32,6 +32,7 @@ from mini_vllm.structured_output import (
     StructuredOutputsParams,
     allocate_token_bitmask,
     apply_token_bitmask,
+    fill_bitmasks,
     unpack_bitmask,
 )
 from mini_vllm.tokenizer import Tokenizer
@@ -255,7 +256,7 @@ def test_sampling_params_token_controls_normalise(tok: Tokenizer) -> None:
 
 def test_tokenizer_info_bytes_specials_and_padding(tok: Tokenizer, manager) -> None:
     info = manager.tokenizer_info
-    assert info.vocab_size == VOCAB
+    assert info.vocab_size == tok.vocab_size  # padding ids are not xgrammar's business
     vocab = info.decoded_vocab
     for i in range(0, 2305, 7):  # ordinary tokens: the bytes the tokenizer decodes them to
         text = tok.decode([i])
@@ -264,9 +265,20 @@ def test_tokenizer_info_bytes_specials_and_padding(tok: Tokenizer, manager) -> N
     assert vocab[tok.token_to_id("<tool_call>")] == b"<tool_call>"  # added, not special
     special = set(info.special_token_ids)
     assert tok.token_to_id("<|im_start|>") in special  # never inside constrained text
-    assert set(range(tok.vocab_size, VOCAB)) <= special  # padding ids
     assert set(info.stop_token_ids) == set(tok.eos_token_ids)
     assert not set(tok.eos_token_ids) & special
+    # The bitmask still covers the model's vocabulary; padding ids are never allowed,
+    # on one row or many (the threaded fill), wherever the grammar is.
+    compiled = manager.compile(StructuredOutputsParams(regex="[\\s\\S]*"))  # any text
+    grammars = [manager.new_grammar(compiled) for _ in range(40)]
+    bitmask = allocate_token_bitmask(40, VOCAB)
+    fill_bitmasks(grammars, bitmask)
+    allowed = unpack_bitmask(bitmask, VOCAB)
+    assert not allowed[:, tok.vocab_size:].any()
+    assert allowed[:, :tok.vocab_size].sum(dim=1).min() > tok.vocab_size // 2
+    one = allocate_token_bitmask(3, VOCAB)
+    grammars[0].fill_bitmask(one, 2)
+    assert torch.equal(one[2], bitmask[0]) and (one[:2] == -1).all()
 
 
 # ----------------------------------------------------------------------------- bitmask

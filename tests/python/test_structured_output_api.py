@@ -118,6 +118,26 @@ def test_llm_generate_mixed_batch(tiny_model_dir: Path, async_scheduling: bool) 
                [[c.token_ids for c in o.outputs] for o in ref]
 
 
+def test_async_reads_grammar_rows_back_during_the_next_forward(tiny_model_dir: Path) -> None:
+    """With async scheduling a constrained step is read back after the next step's
+    forward is queued and before that step's mask is built."""
+    llm = _llm(tiny_model_dir, async_scheduling=True)
+    engine, events = llm.engine, []
+    execute, process, metadata = (engine.model_runner.execute, engine._process,
+                                  engine._sampling_metadata)
+    engine.model_runner.execute = lambda *a, **k: (events.append("forward"), execute(*a, **k))[1]
+    engine._process = lambda step: (events.append("read"), process(step))[1]
+    engine._sampling_metadata = lambda *a: (events.append("mask"), metadata(*a))[1]
+    out = llm.generate("x", SamplingParams(max_tokens=8,
+                                           structured_outputs={"regex": "[a-z]{80}"}),
+                       use_tqdm=False)
+    assert re.fullmatch("[a-z]+", out[0].outputs[0].text)
+    # f(orward), r(ead back), m(ask): every read but the last comes between the next
+    # step's forward and its mask.
+    order = "".join(e[0] for e in events)
+    assert re.fullmatch(r"fm(frm){5,}(fr)?r?", order), order
+
+
 def test_llm_invalid_spec_is_a_value_error(tiny_model_dir: Path) -> None:
     llm = _llm(tiny_model_dir)
     with pytest.raises(ValueError, match=r"structured_outputs\.regex: invalid regular"):
