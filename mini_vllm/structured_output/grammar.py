@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -151,22 +152,26 @@ def fill_bitmasks(grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Te
     if not bitmask.is_contiguous():
         raise ValueError("fill_bitmasks: the bitmask must be contiguous")
     # xgrammar fills contiguous rows of `known_words` words: the bitmask itself when
-    # that is its width, else a scratch buffer copied into it.
+    # that is its width, else a scratch buffer copied into it. The rest is numpy on
+    # views of the same memory: a small torch op costs more than a row's fill.
+    n, first_row = len(rows), rows[0]
     padded = known_words < width
-    target = torch.empty((len(rows), known_words), dtype=torch.int32) if padded else bitmask
-    where = list(range(len(rows))) if padded else rows
-    if first._batch is not None and len(grammars) >= PARALLEL_FILL_MIN_ROWS:
+    target = torch.empty((n, known_words), dtype=torch.int32) if padded else bitmask
+    where = list(range(n)) if padded else rows
+    if first._batch is not None and n >= PARALLEL_FILL_MIN_ROWS:
         first._batch.batch_fill_next_token_bitmask([g._matcher for g in grammars], target, where)
     else:
         for g, row in zip(grammars, where):
             g._matcher.fill_next_token_bitmask(target, row)
+    words, out = target.numpy(), bitmask.numpy()
+    index = (slice(first_row, first_row + n) if rows == list(range(first_row, first_row + n))
+             else rows)
     if known % 32:  # the last known word's high bits are ids past the vocabulary
-        tail = (1 << (known % 32)) - 1  # a positive int32: the low bits only
-        target[where, known_words - 1] &= tail
+        tail = np.int32((1 << (known % 32)) - 1)  # positive: the low bits only
+        words[slice(None) if padded else index, known_words - 1] &= tail
     if padded:
-        index = torch.tensor(rows)
-        bitmask[index, :known_words] = target
-        bitmask[index, known_words:] = 0
+        out[index, :known_words] = words
+        out[index, known_words:] = 0
 # --8<-- [end:fill_bitmasks]
 
 

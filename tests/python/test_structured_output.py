@@ -948,3 +948,30 @@ def test_forced_tool_calls_tiny_model(tok: Tokenizer, manager, hf_model) -> None
                     max_steps=400)
     for ids in outs:
         check_calls(finished_text(tok, ids), None)
+
+
+# ----------------------------------------------------------------------------- the engine on a GPU
+
+
+@pytest.mark.gpu
+def test_gpu_engine_constrained_rows_validate(tiny_model_dir: Path) -> None:
+    """The GPU path (fused sampler, async scheduling, CUDA graphs) with constrained and
+    free rows in one batch: every constrained output validates, at temperature 0 and 1."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mini_vllm import LLM
+
+    llm = LLM(str(tiny_model_dir), max_model_len=1024, device="cuda")
+    assert llm.engine.async_scheduling
+    schemas = [p.values[0] for p in SCHEMAS for _ in (0.0, 1.0)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=450, n=2,
+                             structured_outputs={"json": p.values[0]})
+              for i, p in enumerate(SCHEMAS) for t in (0.0, 1.0)]
+    params += [SamplingParams(temperature=1.0, seed=99, max_tokens=200, ignore_eos=True)] * 4
+    outs = llm.generate(["Reply:"] * len(params), params, use_tqdm=False)
+    for out, schema in zip(outs, schemas):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outs[len(schemas):])
+    assert llm.engine.get_stats()["structured_output_tokens_total"] > 0

@@ -26,7 +26,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from test_structured_output import SCHEMAS  # the schemas the sampler-level tests use
 
 from mini_vllm import LLM, SamplingParams
@@ -668,25 +667,36 @@ def test_engine_process_and_auto_tool_choice_flags(process_server: Server) -> No
     assert none.status_code == 200
 
 
-# ============================================================================ on a GPU
+# ============================================================================ the benchmark
 
 
-@pytest.mark.gpu
-def test_gpu_engine_constrained_rows_validate(tiny_model_dir: Path) -> None:
-    """The GPU path (fused sampler, async scheduling, CUDA graphs) with constrained and
-    free rows in one batch: every constrained output validates."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    llm = LLM(str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, device="cuda")
-    assert llm.engine.async_scheduling
-    params = [SamplingParams(temperature=t, seed=i, max_tokens=450, n=2,
-                             structured_outputs={"json": schema})
-              for i, (_, schema) in enumerate(SCHEMA_LIST) for t in (0.0, 1.0)]
-    params += [SamplingParams(temperature=1.0, seed=99, max_tokens=200, ignore_eos=True)] * 4
-    outs = llm.generate(["Reply:"] * len(params), params, use_tqdm=False)
-    schemas = [schema for _, schema in SCHEMA_LIST for _ in (0.0, 1.0)]
-    for out, schema in zip(outs, schemas):
-        for c in out.outputs:
-            assert c.finish_reason == "stop"
-            _check_json(c.text, schema)
-    assert all(len(o.outputs[0].token_ids) == 200 for o in outs[len(schemas):])
+def test_throughput_json_schema_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`benchmarks/throughput.py --json-schema records` runs the plain and the
+    constrained workload in one job; every constrained output token is under the mask."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("_so_throughput", path)
+    throughput = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = throughput
+    spec.loader.exec_module(throughput)
+    out = tmp_path / "tp.json"
+    throughput.main([
+        "--model", str(tiny_model_dir), "--num-requests", "4", "--input-len-range", "8", "24",
+        "--max-tokens-range", "8", "12", "--backends", "mini-vllm", "--device", "cpu",
+        "--copy-bytes", str(32 * 2**20), "--num-gpu-blocks-override", "64",
+        "--json-schema", "records", "--output", str(out)])
+    data = json.loads(out.read_text())
+    plain, constrained = data["results"]["mini-vllm"], data["results"]["mini-vllm-json"]
+    assert plain["status"] == constrained["status"] == "ok", constrained
+    assert constrained["output_tokens"] == plain["output_tokens"] == data["workload"][
+        "output_tokens"]
+    assert constrained["structured_output"]["constrained_fraction"] == 1.0
+    assert "structured_output" not in plain
+    cost = data["structured_output"]
+    assert cost["json_schema"] == "records" and cost["steps"]["constrained"] > 0
+    assert cost["output_tok_s_ratio"] == pytest.approx(
+        constrained["output_tok_s"] / plain["output_tok_s"])
+    with pytest.raises(SystemExit, match="neither a builtin"):
+        throughput.main(["--json-schema", str(tmp_path / "missing.json")])
