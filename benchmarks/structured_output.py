@@ -236,7 +236,9 @@ def main() -> None:
                                     "xgrammar_us"]))
 
     out = args.output or RESULTS_DIR / "structured_output" / f"{device.split(':')[0]}.json"
-    write_json(out, {"environment": environment(device),
+    env = environment(device)
+    where = env.get("gpu") or f"a CPU of {env['cpu_count']} cores ({env['cpu']})"
+    write_json(out, {"environment": env, "device": where,
                      "tokenizer_vocab_size": tokenizer.vocab_size, "vocab_size": vocab,
                      "compile": compile_rows, "fill": fill_rows, "fill_batch": batch_rows,
                      "apply": apply_rows})

@@ -194,8 +194,11 @@ class DataParallelAsyncLLM:
     async def compile_structured_output(self, params: SamplingParams) -> None:
         """`AsyncLLM.compile_structured_output`: validated here, compiled again by the replica."""
         if params.structured_outputs is not None:
-            await self.processor.structured_output_manager.compile_async(
-                params.structured_outputs)
+            # The first use builds the manager (imports xgrammar, reads the vocabulary):
+            # a second or two, on a worker thread rather than the event loop.
+            manager = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.processor.structured_output_manager)
+            await manager.compile_async(params.structured_outputs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request on every replica (only the one that has it acts)."""

@@ -227,8 +227,11 @@ class AsyncLLM:
             ValueError: the spec is invalid, or took longer than the bound to compile.
         """
         if params.structured_outputs is not None:
-            await self.processor.structured_output_manager.compile_async(
-                params.structured_outputs)
+            # The first use builds the manager (imports xgrammar, reads the vocabulary):
+            # a second or two, on a worker thread rather than the event loop.
+            manager = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.processor.structured_output_manager)
+            await manager.compile_async(params.structured_outputs)
 
     # --8<-- [start:abort]
     async def abort(self, request_id: str) -> None:
