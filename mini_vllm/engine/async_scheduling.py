@@ -56,16 +56,24 @@ class AsyncScheduling:
             outputs += self._process(prev)
             prev = None
 
+        read_error: list[BaseException] = []
+
         def before_sampling() -> None:
             # The forward of the new step is queued: read the previous step back
-            # while it runs, so that the new step's sampler sees its tokens.
+            # while it runs, so that the new step's sampler sees its tokens. (An
+            # error here is the engine's own, not the new step's: raised below.)
             nonlocal prev
             if prev is not None and prev.sampler_needs_values:
-                outputs.extend(self._process(prev))
-                prev = None
+                step, prev = prev, None
+                try:
+                    outputs.extend(self._process(step))
+                except BaseException as e:  # noqa: BLE001 - re-raised after the launch
+                    read_error.append(e)
 
         sched = self.scheduler.schedule()
         cur = self._launch(sched, prev, before_sampling) if sched.scheduled else None
+        if read_error:
+            raise read_error[0]
         if cur is None:
             self._last_sampling = None  # no token drawn: the next rows start afresh
         if isinstance(cur, list):  # the step failed

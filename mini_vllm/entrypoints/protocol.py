@@ -431,7 +431,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: JSONObject | None = None
     tools: list[ChatCompletionToolsParam] | None = Field(default=None, min_length=1)
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -476,7 +476,8 @@ class ChatCompletionRequest(SamplingRequest):
             return super().structured_outputs_params()
         tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         named = choice if isinstance(choice, str) else choice.model_dump()
-        return tool_choice_structured_outputs(tools, named, self.parallel_tool_calls), "tools"
+        parallel = self.parallel_tool_calls is not False
+        return tool_choice_structured_outputs(tools, named, parallel), "tools"
     # --8<-- [end:tool_choice]
 
     @property
