@@ -6,7 +6,9 @@ Three measurements:
    size, a regex, a choice, a forced tool call), each on a fresh manager.
 2. fill: host time per constrained row per step to fill its bitmask row
    (`StructuredOutputGrammar.fill_bitmask`), along paths the grammar allows,
-   drawn with random logits.
+   drawn with random logits; and the whole batch's bitmask filled at once
+   (`fill_bitmasks`, the engine's step: xgrammar's threads for a large batch)
+   with every row somewhere along such a path.
 3. apply: the sampler's mask stage on `[batch, vocab]` float32 logits with
    `rows` constrained rows: our torch `apply_token_bitmask` (what the
    reference sampler runs) and xgrammar's `apply_token_bitmask_inplace`
@@ -18,8 +20,9 @@ Three measurements:
 
 The fill cost grows with the tokenizer's vocabulary: the tokenizer the project
 ships has 2,331 tokens, Qwen3's 151,643, so `fill` on it is a lower bound
-for Qwen3 (`--model DIR` measures a real checkpoint's tokenizer). The apply
-cost depends only on the logits' width (`--vocab-size`).
+for Qwen3 (`--model DIR` measures a real checkpoint's tokenizer). Both fill
+and apply write rows as wide as the logits (`--vocab-size`: the bitmask of a
+Qwen3-shaped model with this tokenizer).
 
 Results: tables on stdout, JSON in `--output`.
 """
@@ -54,6 +57,8 @@ from mini_vllm.structured_output import (
     StructuredOutputsParams,
     allocate_token_bitmask,
     apply_token_bitmask,
+    bitmask_width,
+    fill_bitmasks,
 )
 from mini_vllm.tokenizer import Tokenizer
 from mini_vllm.tool_parsers import tool_choice_structured_outputs
@@ -125,6 +130,43 @@ def measure_fill(tokenizer: Tokenizer, vocab_size: int, paths: int, max_steps: i
     return rows
 
 
+def measure_fill_batch(tokenizer: Tokenizer, vocab_size: int, batch: int,
+                       iters: int) -> list[dict]:
+    """One step's bitmask for `batch` constrained rows, each at its own point of a
+    path the grammar allows (as in a running batch): `fill_bitmasks`' time."""
+    manager = StructuredOutputManager(tokenizer, vocab_size, compile_timeout_s=600)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for name, params in specs().items():
+        compiled = manager.compile(params)
+        grammars = []
+        for i in range(batch):
+            grammar = manager.new_grammar(compiled)
+            scratch = allocate_token_bitmask(1, vocab_size)
+            for _ in range(i % 40):  # rows spread over the first 40 tokens of their paths
+                if grammar.is_terminated():
+                    break
+                grammar.fill_bitmask(scratch, 0)
+                logits = apply_token_bitmask(torch.randn(1, vocab_size, generator=gen),
+                                             torch.zeros(1, dtype=torch.int64), scratch)
+                token = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+                if not grammar.accept_token(token):
+                    raise RuntimeError(f"{name}: the grammar refused the token it allowed")
+            if not grammar.is_terminated():
+                grammars.append(grammar)
+        bitmask = torch.empty((len(grammars), bitmask_width(vocab_size)), dtype=torch.int32)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fill_bitmasks(grammars, bitmask)
+            times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        rows.append({"spec": name, "rows": len(grammars), "fill_ms_per_step": median * 1e3,
+                     "fill_us_per_row": median * 1e6 / max(1, len(grammars))})
+    manager.shutdown()
+    return rows
+
+
 def measure_apply(device: str, vocab_size: int, batch: int, iters: int) -> list[dict]:
     import xgrammar as xgr
 
@@ -163,8 +205,10 @@ def main() -> None:
                              "tiny preset's, written to a temporary directory)")
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="logits width for the apply measurement (default: the model's)")
-    parser.add_argument("--batch", type=int, default=256, help="rows of logits for apply")
+                        help="logits width, of the bitmask rows filled and applied (default: "
+                             "the model's)")
+    parser.add_argument("--batch", type=int, default=256,
+                        help="rows of a step (fill_batch) and of logits (apply)")
     parser.add_argument("--paths", type=int, default=8, help="generated paths per spec for fill")
     parser.add_argument("--max-steps", type=int, default=200, help="most tokens per path")
     parser.add_argument("--iters", type=int, default=50, help="timed calls per apply figure")
@@ -179,18 +223,25 @@ def main() -> None:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
-    compile_rows = measure_compile(tokenizer, model_vocab)
+    vocab = args.vocab_size or model_vocab
+    compile_rows = measure_compile(tokenizer, vocab)
     print(format_table(compile_rows, ["spec", "compile_ms"]), end="\n\n")
-    fill_rows = measure_fill(tokenizer, model_vocab, args.paths, args.max_steps)
+    fill_rows = measure_fill(tokenizer, vocab, args.paths, args.max_steps)
     print(format_table(fill_rows, ["spec", "steps", "fill_us_mean", "fill_us_p99"]), end="\n\n")
-    apply_rows = measure_apply(device, args.vocab_size or model_vocab, args.batch, args.iters)
+    batch_rows = measure_fill_batch(tokenizer, vocab, args.batch, args.iters)
+    print(format_table(batch_rows, ["spec", "rows", "fill_ms_per_step", "fill_us_per_row"]),
+          end="\n\n")
+    apply_rows = measure_apply(device, vocab, args.batch, args.iters)
     print(format_table(apply_rows, ["batch", "constrained_rows", "vocab_size", "torch_us",
                                     "xgrammar_us"]))
 
     out = args.output or RESULTS_DIR / "structured_output" / f"{device.split(':')[0]}.json"
-    write_json(out, {"environment": environment(device),
-                     "tokenizer_vocab_size": tokenizer.vocab_size, "model_vocab_size": model_vocab,
-                     "compile": compile_rows, "fill": fill_rows, "apply": apply_rows})
+    env = environment(device)
+    where = env.get("gpu") or f"a CPU of {env['cpu_count']} cores ({env['cpu']})"
+    write_json(out, {"environment": env, "device": where,
+                     "tokenizer_vocab_size": tokenizer.vocab_size, "vocab_size": vocab,
+                     "compile": compile_rows, "fill": fill_rows, "fill_batch": batch_rows,
+                     "apply": apply_rows})
     print(f"\nwrote {out}")
 
 

@@ -24,6 +24,17 @@ On a GPU (random Qwen3-0.6B weights, bf16; every backend in its own process):
 Backends that are not installed (vllm, nano-vllm) are skipped with the reason; a backend
 that fails records its error in the JSON and the others still run.
 
+Structured outputs (chapter 18): `--json-schema records` (a builtin schema) or
+`--json-schema FILE` runs mini-vllm a second time in the same job with every request
+of the workload under that JSON schema (`mini-vllm-json`), and reports the mask's
+cost: the throughput ratio, the time added per step, and the host's time building
+the masks. The builtin `records` schema is an array of at least 1,000 records, so
+that no request's grammar can end before its max_tokens: every output token of the
+run is drawn under a mask (`constrained_fraction` checks it).
+
+    python benchmarks/throughput.py --backends mini-vllm --json-schema records \
+        --output benchmarks/results/structured_output_throughput.json
+
 On a CPU (a smoke run of the tiny model, seconds):
 
     python benchmarks/throughput.py --preset tiny --num-requests 8 --max-tokens-range 8 16 \\
@@ -38,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -79,7 +91,23 @@ from benchmarks.common import (
     write_json,
 )
 
-BACKENDS = ("mini-vllm", "transformers", "vllm", "nano-vllm")
+BACKENDS = ("mini-vllm", "transformers", "vllm", "nano-vllm", "mini-vllm-json")
+
+# --8<-- [start:json_schemas]
+# `--json-schema` builtins. `records` cannot end before 1,000 records (thousands of
+# tokens): under ignore_eos, a grammar that ends lets the request go on unconstrained.
+JSON_SCHEMAS: dict[str, dict[str, Any]] = {
+    "records": {"type": "array", "minItems": 1000, "items": {
+        "type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+            "name": {"type": "string", "maxLength": 16},
+            "score": {"type": "number", "minimum": 0, "maximum": 100},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                     "maxItems": 3},
+            "ok": {"type": "boolean"}},
+        "required": ["id", "name", "score", "tags", "ok"]}},
+}
+# --8<-- [end:json_schemas]
 _WARMUP_PROMPT_LEN = 64
 _WARMUP_MAX_TOKENS = 16
 
@@ -109,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output lengths, randint(LO, HI)")
     work.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the draw")
     run = p.add_argument_group("run")
-    run.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    run.add_argument("--backends", nargs="+", default=list(BACKENDS[:4]), choices=BACKENDS)
+    run.add_argument("--json-schema", default=None, metavar="NAME_OR_FILE",
+                     help="also run mini-vllm with every request under this JSON schema "
+                          f"(mini-vllm-json): a builtin ({', '.join(JSON_SCHEMAS)}) or a "
+                          "file holding a schema")
     run.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     run.add_argument("--dtype", default="auto",
                      choices=("auto", "bfloat16", "float16", "float32"))
@@ -172,42 +204,103 @@ def _warmup_prompt(vocab_size: int) -> list[int]:
     return [(7 * i + 3) % min(vocab_size, 10000) for i in range(_WARMUP_PROMPT_LEN)]
 
 
+def load_json_schema(name_or_file: str) -> dict[str, Any]:
+    """A builtin schema by name, or the schema in a file."""
+    if name_or_file in JSON_SCHEMAS:
+        return JSON_SCHEMAS[name_or_file]
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise SystemExit(f"--json-schema: {name_or_file!r} is neither a builtin "
+                         f"({', '.join(JSON_SCHEMAS)}) nor a file")
+    return json.loads(path.read_text())
+
+
 # --8<-- [start:run_mini_vllm]
-def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace) -> dict[str, Any]:
-    """Time `LLM.generate` over the whole workload (after one warm-up request)."""
+def run_mini_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace,
+                  json_schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Time `LLM.generate` over the whole workload (after one warm-up request),
+    every request under `json_schema` when one is given."""
     from mini_vllm import LLM, SamplingParams
 
     llm = LLM(model_dir, **_engine_kwargs(ns))
     vocab = llm.engine.config.model_config.vocab_size
+    structured = None if json_schema is None else {"json": json_schema}
 
     def params(max_tokens: int) -> SamplingParams:
         # top-k / top-p explicitly off: the model's generation_config would turn them on.
         return SamplingParams(temperature=TEMPERATURE, top_p=1.0, top_k=0, min_p=0.0,
-                              ignore_eos=True, max_tokens=max_tokens)
+                              ignore_eos=True, max_tokens=max_tokens,
+                              structured_outputs=structured)
 
     llm.generate([{"prompt_token_ids": _warmup_prompt(vocab)}], params(_WARMUP_MAX_TOKENS),
                  use_tqdm=False)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     sampling = [params(m) for m in workload.max_tokens]
+    before = llm.engine.get_stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     elapsed = time.perf_counter() - start
     stats = llm.engine.get_stats()
+    timed = {k: v - before[k] for k, v in stats.items()  # the timed run's counters alone
+             if isinstance(v, (int, float)) and k.endswith(("_total", "_s", "num_steps"))}
     result = {"wall_s": elapsed,
               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
               "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
               "engine_stats": stats,
+              "timed_stats": timed,
               "dtype": str(llm.engine.config.dtype).removeprefix("torch."),
               "block_size": llm.engine.config.cache_config.block_size,
               "max_piecewise_graph_tokens": llm.engine.config.max_piecewise_graph_tokens,
               "kv_cache_blocks": llm.engine.model_runner.num_blocks,
               "graph_memory_bytes": getattr(llm.engine.model_runner, "graph_memory_bytes", 0),
               "device": str(llm.engine.config.device)}
+    if structured is not None:
+        steps = timed["num_steps"]
+        result["structured_output"] = {
+            "constrained_tokens": timed["structured_output_tokens_total"],
+            "constrained_fraction": timed["structured_output_tokens_total"]
+            / max(1, result["output_tokens"]),
+            "metadata_s": timed["structured_output_metadata_s"],
+            "metadata_ms_per_step": 1e3 * timed["structured_output_metadata_s"] / max(1, steps)}
     if ns.breakdown and llm.engine.config.device.type == "cuda":
         result["breakdown"] = breakdown(llm, lambda: llm.generate(prompts, sampling,
                                                                   use_tqdm=False))
     return result
 # --8<-- [end:run_mini_vllm]
+
+
+def run_mini_vllm_json(model_dir: str, workload: Workload, ns: argparse.Namespace
+                       ) -> dict[str, Any]:
+    """`run_mini_vllm` with every request under `--json-schema`."""
+    if ns.json_schema is None:
+        raise ValueError("mini-vllm-json needs --json-schema")
+    result = run_mini_vllm(model_dir, workload, ns, load_json_schema(ns.json_schema))
+    result["json_schema"] = ns.json_schema
+    return result
+
+
+# --8<-- [start:mask_cost]
+def mask_cost(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """What putting every request under a JSON schema cost, from the plain and the
+    constrained runs of one job: the throughput ratio (the bar: at least 0.9), and
+    the time each step took longer, on average, with the host's share of it."""
+    plain, constrained = results.get("mini-vllm", {}), results.get("mini-vllm-json", {})
+    if plain.get("status") != "ok" or constrained.get("status") != "ok":
+        return None
+    steps = constrained["timed_stats"]["num_steps"]
+    so = constrained["structured_output"]
+    ratio = constrained["output_tok_s"] / plain["output_tok_s"]
+    return {
+        "json_schema": constrained["json_schema"],
+        "output_tok_s_ratio": ratio,
+        "slowdown_fraction": 1 - ratio,
+        "meets_bar": ratio >= 0.9,
+        "steps": {"plain": plain["timed_stats"]["num_steps"], "constrained": steps},
+        "added_ms_per_step": 1e3 * (constrained["wall_s"] - plain["wall_s"]) / steps,
+        "metadata_ms_per_step": so["metadata_ms_per_step"],
+        "constrained_fraction": so["constrained_fraction"],
+    }
+# --8<-- [end:mask_cost]
 
 
 # Decode steps are grouped by how many sequences they carry.
@@ -399,9 +492,9 @@ def run_nano_vllm(model_dir: str, workload: Workload, ns: argparse.Namespace
 
 
 _RUNNERS = {"mini-vllm": run_mini_vllm, "transformers": run_transformers,
-            "vllm": run_vllm, "nano-vllm": run_nano_vllm}
+            "vllm": run_vllm, "nano-vllm": run_nano_vllm, "mini-vllm-json": run_mini_vllm_json}
 _IMPORTS = {"mini-vllm": "mini_vllm", "transformers": "transformers", "vllm": "vllm",
-            "nano-vllm": "nanovllm"}
+            "nano-vllm": "nanovllm", "mini-vllm-json": "xgrammar"}
 
 
 def missing_backend(backend: str) -> str | None:
@@ -503,6 +596,14 @@ def print_report(report: dict[str, Any]) -> None:
     for backend, r in report["results"].items():
         if "breakdown" in r:
             print_breakdown(backend, r["breakdown"])
+    cost = report.get("structured_output")
+    if cost is not None:
+        print(f"\nevery request under the JSON schema {cost['json_schema']!r}: "
+              f"{100 * cost['output_tok_s_ratio']:.1f} % of the plain run's output tok/s "
+              f"({'meets' if cost['meets_bar'] else 'misses'} the 90 % bar); "
+              f"{cost['added_ms_per_step']:.3f} ms more per step, of which the host spent "
+              f"{cost['metadata_ms_per_step']:.3f} ms building masks; "
+              f"{100 * cost['constrained_fraction']:.1f} % of the output tokens constrained")
 
 
 # --8<-- [start:step_floors]
@@ -538,6 +639,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the report that is also written to `--output`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
+    if ns.json_schema is not None:
+        load_json_schema(ns.json_schema)  # a bad name or file stops the run here
+        if "mini-vllm-json" not in ns.backends:  # right after the plain run it is compared to
+            at = ns.backends.index("mini-vllm") + 1 if "mini-vllm" in ns.backends else 0
+            ns.backends.insert(at, "mini-vllm-json")
     ns.device = resolve_device(ns.device)
     ns.dtype = resolve_dtype_name(ns.dtype, ns.device)
     standard = is_default_workload(ns.num_requests, ns.input_len_range,
@@ -610,6 +716,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "results": results,
     }
     report["ratios"] = summarize(results, floor)
+    report["structured_output"] = mask_cost(results)
     add_step_floors(results, floor)
     write_json(ns.output, report)
     print(f"wrote {ns.output}")

@@ -137,6 +137,18 @@ _FRONTEND_ARG_HELP: dict[str, str] = {
     "max_queued_seqs": "sequences (prompts x n) held beyond the running batch "
                        "(--max-num-seqs); when full, requests get 503 with Retry-After",
 }
+# ---- tools and reasoning: the flags of Part IV's structured outputs ----------------
+_FRONTEND_ARG_HELP["enable_auto_tool_choice"] = (
+    "let the model decide whether to call a tool (tool_choice \"auto\", the default when a "
+    "request has tools); needs --tool-call-parser")
+_FRONTEND_ARG_HELP["tool_call_parser"] = (
+    "how the model writes tool calls: hermes (Qwen3's <tool_call> tags)")
+_ENGINE_ARG_HELP["reasoning_parser"] = (
+    "how the model writes its reasoning: qwen3 (<think> blocks). The server then returns "
+    "it as message.reasoning, and a structured output constrains only the answer after it")
+_CHOICES["reasoning_parser"] = ("qwen3",)
+# ---- end of the tools and reasoning flags ------------------------------------------
+
 # Environment variables that give the API key when --api-key does not (the first set wins).
 API_KEY_ENV = ("MINI_VLLM_API_KEY", "VLLM_API_KEY")
 

@@ -177,6 +177,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     chat_template: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    reasoning_parser: str | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -226,6 +227,10 @@ class EngineArgs:
     `speculative_config`: speculative decoding (a dict, or its JSON text, as
     vLLM takes it: `spec_decode.config.SpeculativeConfig`); None is off.
 
+    `reasoning_parser`: the model's reasoning format (`"qwen3"`: `<think>` blocks),
+    or None. With one, a structured output constrains only what follows the
+    reasoning, and the server returns the reasoning apart (Part IV).
+
     `max_num_seqs` `None` means 256 on a GPU and 128 on the CPU (vLLM's CPU
     server default): the CPU's KV cache is capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can fill, and a CPU gains little from
@@ -258,6 +263,7 @@ class EngineArgs:
     chat_template: str | None = None
     # (annotated `str` first: the CLI makes its flag a JSON string from that)
     speculative_config: str | dict | None = None
+    reasoning_parser: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -283,6 +289,12 @@ class EngineArgs:
         if self.engine_process is not None and not isinstance(self.engine_process, bool):
             raise ValueError(
                 f"engine_process must be True, False or None, got {self.engine_process!r}")
+        if self.reasoning_parser is not None:
+            from mini_vllm.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
+                                 f"got {self.reasoning_parser!r}")
         model_dir = str(resolve_model_dir(self.model))
         model_config = ModelConfig.from_pretrained(model_dir)
         parallel_config.check_model(model_config)
@@ -363,6 +375,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             chat_template=chat_template,
             speculative_config=speculative,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

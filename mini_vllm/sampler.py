@@ -144,7 +144,8 @@ class SamplingMetadata:
         output_token_counts: [N, V] int32, occurrences in a row's output
             (rows with a presence or frequency penalty only).
         min_tokens_index: (rows, token ids) to set to -inf for requests below
-            their min_tokens: their EOS (unless ignore_eos) and stop token ids.
+            their min_tokens: their EOS (unless ignore_eos) and stop token ids
+            (not for a request with structured outputs, whose grammar decides).
         generators: row -> generator, for random rows with their own generator.
         max_num_logprobs: the largest `logprobs` asked for; `None` if no row asks.
         grammar_bitmask: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of
@@ -259,7 +260,10 @@ class SamplingMetadata:
 
         rows, cols = [], []
         for i, r in enumerate(reqs):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            # A structured output's grammar alone decides where it may end (it
+            # allows EOS only there): min_tokens does not apply to it.
+            if (len(r.output_token_ids) < r.params.min_tokens
+                    and r.params.structured_outputs is None):
                 banned = {t for t in r.params.stop_token_ids if t < vocab_size}
                 if not r.params.ignore_eos:
                     banned.update(eos)
@@ -292,17 +296,20 @@ def _build_token_constraints(meta: SamplingMetadata, reqs: Sequence[SamplingRequ
     """Fill `meta`'s grammar, allowed_token_ids, bad_words and logit_bias fields.
 
     Each is left `None` when no row uses it. The grammar rows' bitmask is
-    filled on the host, one matcher at a time, and copied to the device once.
+    filled on the host (a large batch on several threads) and copied to the
+    device once.
     """
     vocab_size = meta.vocab_size
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
     if rows:
-        bitmask = torch.full((len(rows), bitmask_width(vocab_size)), -1, dtype=torch.int32)
-        for j, i in enumerate(rows):
+        from mini_vllm.structured_output.grammar import fill_bitmasks  # (xgrammar: lazily)
+
+        for i in rows:
             if reqs[i].grammar.vocab_size != vocab_size:
                 raise ValueError(f"row {i}: its grammar covers {reqs[i].grammar.vocab_size} "
                                  f"token ids, the logits {vocab_size}")
-            reqs[i].grammar.fill_bitmask(bitmask, j)
+        bitmask = torch.empty((len(rows), bitmask_width(vocab_size)), dtype=torch.int32)
+        fill_bitmasks([reqs[i].grammar for i in rows], bitmask)  # every word written
         meta.grammar_bitmask = (_to_device(rows, torch.int64, device),
                                 _to_device(bitmask, torch.int32, device))
 

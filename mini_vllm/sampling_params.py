@@ -320,10 +320,13 @@ class SamplingParams:
         """Refuse token ids outside the model's vocabulary, naming the field.
 
         Raises:
-            ValueError: for a `logit_bias` key or `allowed_token_ids` entry >= vocab_size.
+            ValueError: for a `logit_bias` key, an `allowed_token_ids` entry or a
+                `bad_words_token_ids` entry >= vocab_size.
         """
+        bad_words = [t for seq in self.bad_words_token_ids or () for t in seq]
         for name, ids in (("logit_bias", self.logit_bias or {}),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words_token_ids", bad_words)):
             bad = sorted(i for i in ids if i >= vocab_size)
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "

@@ -158,6 +158,18 @@ class Scheduler:
         """Queue a new request.
 
         Raises:
+            ValueError: see `check_request`.
+        """
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = self._num_added
+        self._num_added += 1
+        insort(self.waiting, request, key=self._sort_key)
+
+    def check_request(self, request: Request) -> None:
+        """Refuse a request that `add_request` could not queue (nothing changes).
+
+        Raises:
             ValueError: for a duplicate id, or a request that could never
                 run: its prompt leaves no room for an output token within
                 `max_model_len`, or its longest possible sequence (prompt +
@@ -187,10 +199,6 @@ class Scheduler:
                 f"{kv.num_blocks_for(longest - 1)} KV blocks of {kv.block_size} tokens, but the "
                 f"whole cache has {kv.num_blocks}; lower max_tokens or give the cache more memory"
             )
-        self.requests[request.request_id] = request
-        self._order[request.request_id] = self._num_added
-        self._num_added += 1
-        insort(self.waiting, request, key=self._sort_key)
     # --8<-- [end:add_request]
 
     # --8<-- [start:schedule]

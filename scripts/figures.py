@@ -1288,6 +1288,91 @@ def fold_gain(res: Results) -> str:
     return f"{100 * (mean('after') / mean('before') - 1):+.1f} %"
 
 
+# ----------------------------------------------------------------------------- structured outputs
+
+SO_MICRO = {"cpu": "structured_output/cpu.json", "cuda": "structured_output/cuda.json"}
+SO_THROUGHPUT = "structured_output_throughput.json"
+SO_THROUGHPUT_CMD = ("python benchmarks/throughput.py --backends mini-vllm --json-schema records "
+                     "--output benchmarks/results/structured_output_throughput.json")
+
+
+def so_micro_cmd(device: str) -> str:
+    return (f"python benchmarks/structured_output.py --device {device} --vocab-size 151936 "
+            f"--output benchmarks/results/{SO_MICRO[device]}")
+
+
+def so_micro(res: Results, device: str) -> dict[str, Any] | NotMeasured:
+    """The structured-output micro benchmark on `device` (cpu, cuda), or what to run."""
+    rel = SO_MICRO[device]
+    if not (res.root / rel).is_file():
+        return NotMeasured(f"*Not measured yet on {device}: `bash scripts/gpu_structured_output.sh` "
+                           f"measures it (`{so_micro_cmd(device)}`); then `python "
+                           "scripts/figures.py`.*")
+    return res(rel)
+
+
+def so_compile(res: Results, device: str) -> str:
+    """Cold compile time of each kind of spec."""
+    d = so_micro(res, device)
+    if isinstance(d, NotMeasured):
+        return d
+    return table(["spec", "compile (ms)"], [[r["spec"], f2(r["compile_ms"])] for r in d["compile"]])
+
+
+def so_fill(res: Results, device: str) -> str:
+    """The host's bitmask fill: one row, and a whole step of rows (fill_bitmasks)."""
+    d = so_micro(res, device)
+    if isinstance(d, NotMeasured):
+        return d
+    batch = {r["spec"]: r for r in d["fill_batch"]}
+    rows = [[r["spec"], f1(r["fill_us_mean"]), f1(r["fill_us_p99"]),
+             f"{batch[r['spec']]['rows']}", f2(batch[r["spec"]]["fill_ms_per_step"]),
+             f1(batch[r["spec"]]["fill_us_per_row"])] for r in d["fill"]]
+    return table(["spec", "one row, mean (µs)", "one row, p99 (µs)", "rows of a step",
+                  "the step's rows (ms)", "per row (µs)"], rows)
+
+
+def so_apply(res: Results, device: str) -> str:
+    """The sampler's mask stage on [batch, V] logits: ours against xgrammar's kernel."""
+    d = so_micro(res, device)
+    if isinstance(d, NotMeasured):
+        return d
+    return table(["batch × vocabulary", "constrained rows", "apply_token_bitmask (µs)",
+                  "xgrammar's kernel (µs)"],
+                 [[f"{r['batch']} × {r['vocab_size']:,}", r["constrained_rows"], f1(r["torch_us"]),
+                   f1(r["xgrammar_us"])] for r in d["apply"]])
+
+
+# so-compile-cpu, so-fill-cpu, so-fill-cuda, ...: one block per device (compiling runs
+# on the host either way: the CPU's table is the one the book shows).
+for _name, _fn, _devices in (("compile", so_compile, ("cpu",)), ("fill", so_fill, SO_MICRO),
+                             ("apply", so_apply, SO_MICRO)):
+    for _device in _devices:
+        block(f"so-{_name}-{_device}", so_micro_cmd(_device))(
+            lambda res, _fn=_fn, _device=_device: _fn(res, _device))
+
+
+@block("so-throughput", SO_THROUGHPUT_CMD)
+def so_throughput(res: Results) -> str:
+    """The standard workload, plain and with every request under a JSON schema."""
+    if not (res.root / SO_THROUGHPUT).is_file():
+        return NotMeasured(f"*Not measured yet: on a GPU, `bash scripts/gpu_structured_output.sh` "
+                           f"(which runs `{SO_THROUGHPUT_CMD}`), then `python scripts/figures.py`.*")
+    d = res(SO_THROUGHPUT)
+    cost, r = d["structured_output"], d["results"]
+    plain, constrained = r["mini-vllm"], r["mini-vllm-json"]
+    rows = [["plain", n0(plain["output_tok_s"]), f2(plain["wall_s"]), n0(cost["steps"]["plain"]),
+             "-", "-"],
+            [f"JSON schema `{cost['json_schema']}`", n0(constrained["output_tok_s"]),
+             f2(constrained["wall_s"]), n0(cost["steps"]["constrained"]),
+             f3(cost["added_ms_per_step"]), f3(cost["metadata_ms_per_step"])]]
+    return (table(["requests", "output tok/s", "wall (s)", "steps", "ms added per step",
+                   "host ms per step on masks"], rows)
+            + f"\n\nConstrained run: {pct(cost['output_tok_s_ratio'])} of the plain run's "
+              f"throughput ({'meets' if cost['meets_bar'] else 'misses'} the 90 % bar); "
+              f"{pct(cost['constrained_fraction'])} of its output tokens drawn under a mask.")
+
+
 # ----------------------------------------------------------------------------- speculative decoding
 
 SPEC_FILE = "spec_decode.json"

@@ -165,6 +165,7 @@ class DataParallelAsyncLLM:
         ray = import_ray()
         request_id = request_id or uuid.uuid4().hex
         processed = self.processor.process_inputs(request_id, prompt, sampling_params, priority)
+        await self.compile_structured_output(processed.params)
         i = self._pick()
         replica = self.replicas[i]
         self.load[i] += 1
@@ -189,6 +190,15 @@ class DataParallelAsyncLLM:
             if not finished:  # the caller went away: free the replica's slot
                 replica.abort.remote(request_id)
     # --8<-- [end:generate]
+
+    async def compile_structured_output(self, params: SamplingParams) -> None:
+        """`AsyncLLM.compile_structured_output`: validated here, compiled again by the replica."""
+        if params.structured_outputs is not None:
+            # The first use builds the manager (imports xgrammar, reads the vocabulary):
+            # a second or two, on a worker thread rather than the event loop.
+            manager = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.processor.structured_output_manager)
+            await manager.compile_async(params.structured_outputs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request on every replica (only the one that has it acts)."""
@@ -225,6 +235,7 @@ class DataParallelAsyncLLM:
         except Exception:  # a replica that does not stop is killed below
             logger.warning("an engine replica did not shut down cleanly", exc_info=True)
         self._kill_all()
+        self.processor.shutdown()  # the grammar compiler's threads, if it was used
         if self._owns_ray:
             ray.shutdown()
 

@@ -187,6 +187,7 @@ class AsyncLLM:
             raise EngineDeadError(self._dead_message())
         request_id = request_id or uuid.uuid4().hex
         processed = self.processor.process_inputs(request_id, prompt, sampling_params, priority)
+        await self.compile_structured_output(processed.params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._commands.put(_Add(processed, stream))
         if not self.is_running:  # the thread may have stopped before taking the command
@@ -216,6 +217,22 @@ class AsyncLLM:
                 self._commands.put(_Abort([request_id]))
     # --8<-- [end:generate]
 
+    async def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile a request's structured output, if any, off the event loop.
+
+        Its grammar is then in this process's cache: the engine thread finds it
+        compiled, and an engine process compiles its own copy.
+
+        Raises:
+            ValueError: the spec is invalid, or took longer than the bound to compile.
+        """
+        if params.structured_outputs is not None:
+            # The first use builds the manager (imports xgrammar, reads the vocabulary):
+            # a second or two, on a worker thread rather than the event loop.
+            manager = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.processor.structured_output_manager)
+            await manager.compile_async(params.structured_outputs)
+
     # --8<-- [start:abort]
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; its stream ends with finish_reason "abort"."""
@@ -233,6 +250,7 @@ class AsyncLLM:
         self._thread.join(timeout)
         if self.core_process is not None:
             self.core_process.close()
+        self.processor.shutdown()  # the grammar compiler's threads
     # --8<-- [end:abort]
 
     # ---- the engine thread --------------------------------------------------------

@@ -17,6 +17,19 @@ request that step N finished with a stop token or string was already
 launched in step N+1: that one token is wasted and dropped. One whose
 placeholder is its `max_tokens`-th token is not launched again: the count
 alone says it is done.
+
+Some rows' sampling depends on the values of their tokens so far (penalties
+count them, a grammar's mask and a bad word's ban follow them): then step N
+is read back after step N+1's forward is queued and before its sampler
+(`sampler_needs_values`), so the host's work overlaps that forward:
+
+```
+host:   schedule N+1 | launch forward N+1 | read N, detok N, masks N+1 | launch sampler N+1 | ...
+device: ... sample N | forward N+1 ...............................      | sample N+1
+```
+
+A step whose sequences speculate next is read back before N+1 is even
+planned (`needs_values`): the proposer needs the tokens.
 """
 
 from __future__ import annotations
@@ -39,11 +52,28 @@ class AsyncScheduling:
         outputs: list[RequestOutput] = []
         prev, self._in_flight = self._in_flight, None
         if prev is not None and prev.needs_values:
-            # Penalties need the previous tokens' values on the host: no overlap.
+            # The proposer needs the previous tokens' values to plan: no overlap.
             outputs += self._process(prev)
             prev = None
+
+        read_error: list[BaseException] = []
+
+        def before_sampling() -> None:
+            # The forward of the new step is queued: read the previous step back
+            # while it runs, so that the new step's sampler sees its tokens. (An
+            # error here is the engine's own, not the new step's: raised below.)
+            nonlocal prev
+            if prev is not None and prev.sampler_needs_values:
+                step, prev = prev, None
+                try:
+                    outputs.extend(self._process(step))
+                except BaseException as e:  # noqa: BLE001 - re-raised after the launch
+                    read_error.append(e)
+
         sched = self.scheduler.schedule()
-        cur = self._launch(sched, prev) if sched.scheduled else None
+        cur = self._launch(sched, prev, before_sampling) if sched.scheduled else None
+        if read_error:
+            raise read_error[0]
         if cur is None:
             self._last_sampling = None  # no token drawn: the next rows start afresh
         if isinstance(cur, list):  # the step failed

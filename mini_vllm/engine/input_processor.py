@@ -8,13 +8,18 @@ runs in another one.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mini_vllm.config import EngineConfig
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from mini_vllm.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -57,6 +62,31 @@ class InputProcessor:
         self.generation_config = load_generation_config(engine_config.model)
         self.vocab_size = engine_config.model_config.vocab_size
         self.max_model_len = engine_config.scheduler_config.max_model_len
+        self._structured_output_manager: StructuredOutputManager | None = None
+        self._manager_lock = threading.Lock()
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar compiler of this process (chapter 18), made on first use.
+
+        One per process: `AsyncLLM` and its engine thread share it, so a grammar
+        the server compiled is found compiled by the engine; an engine process
+        has its own (its cache is keyed the same way). Made lazily because
+        importing xgrammar takes a second or two that a server without
+        structured outputs need not pay.
+        """
+        with self._manager_lock:
+            if self._structured_output_manager is None:
+                from mini_vllm.structured_output import StructuredOutputManager
+
+                self._structured_output_manager = StructuredOutputManager(self.tokenizer,
+                                                                          self.vocab_size)
+            return self._structured_output_manager
+
+    def shutdown(self) -> None:
+        """Stop the grammar compiler's threads, if it was started."""
+        if self._structured_output_manager is not None:
+            self._structured_output_manager.shutdown()
 
     # --8<-- [start:process_inputs]
     def process_inputs(
@@ -72,7 +102,9 @@ class InputProcessor:
         Raises:
             ValueError: with a message naming what is wrong (empty prompt,
                 token id outside the vocabulary, prompt or prompt + max_tokens
-                longer than max_model_len, bad sampling value).
+                longer than max_model_len, bad sampling value, a token id of
+                logit_bias, allowed_token_ids or bad_words_token_ids outside
+                the vocabulary, prompt_logprobs).
         """
         text: str | None = None
         if isinstance(prompt, dict):
@@ -100,6 +132,12 @@ class InputProcessor:
                 f"({self.max_model_len}), which must also hold at least one output token"
             )
         params = params.with_defaults(self.generation_config)
+        if params.prompt_logprobs is not None:
+            # The runner computes logits only where a token is sampled (chapter 2).
+            raise ValueError("prompt_logprobs is not supported: the engine computes logits "
+                             "only at the positions it samples from")
+        params = params.update_from_tokenizer(self.tokenizer)  # bad_words -> token ids
+        params.check_token_ids(self.vocab_size)
         room = self.max_model_len - n_prompt
         if params.max_tokens is None:
             params = params.replace(max_tokens=room)

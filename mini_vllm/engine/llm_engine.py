@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +47,14 @@ from mini_vllm.sequence import Request, RequestStatus
 from mini_vllm.stop_checker import StopChecker
 from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
+if TYPE_CHECKING:
+    from mini_vllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
+
 logger = logging.getLogger(__name__)
+
+# How long an engine with nothing else to do waits for a grammar to compile
+# before it looks at its commands again (seconds).
+GRAMMAR_POLL_S = 0.01
 
 _STATUS_OF_REASON = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -72,6 +83,10 @@ class _Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     reported_finish: bool = False
+    # Structured outputs (chapter 18): the completion's matcher, and whether its
+    # reasoning is over (the grammar constrains only what comes after it).
+    grammar: StructuredOutputGrammar | None = None
+    reasoning_ended: bool = True
 
     def take_delta(self) -> CompletionOutput:
         out = CompletionOutput(self.index, self.text, self.token_ids, self.logprobs,
@@ -132,6 +147,15 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         self.scheduler = Scheduler(engine_config.scheduler_config, self.kv_cache_manager)
         self.sampler = make_sampler(engine_config.device)
         self._init_speculative(engine_config)  # speculative decoding, when configured
+        self.reasoning_parser = None
+        if engine_config.reasoning_parser is not None:
+            from mini_vllm.reasoning import REASONING_PARSERS
+
+            self.reasoning_parser = REASONING_PARSERS[engine_config.reasoning_parser](
+                self.tokenizer)
+            _ = self.reasoning_parser.reasoning_end_token_id  # a ValueError without </think>
+        # Requests whose grammar is still compiling (vLLM's WAITING_FOR_FSM): id -> Future.
+        self._compiling: dict[str, Future] = {}
         self._groups: dict[str, _Group] = {}
         self._children: dict[str, tuple[_Group, _Completion]] = {}
         self.async_scheduling = engine_config.async_scheduling
@@ -146,7 +170,11 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
                       "gpu_wait_s": 0.0, "num_steps": 0,
                       # GPU time of the steps (CUDA events around each, on a GPU):
                       # a run's wall time minus this is time the GPU sat idle.
-                      "gpu_busy_s": 0.0, "gpu_busy_decode_s": 0.0}
+                      "gpu_busy_s": 0.0, "gpu_busy_decode_s": 0.0,
+                      # Structured outputs: tokens a grammar constrained, and the host's
+                      # seconds building the sampling metadata of steps with such rows
+                      # (the bitmasks are filled there).
+                      "structured_output_tokens_total": 0, "structured_output_metadata_s": 0.0}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -172,20 +200,37 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate a request and queue it (see `process_inputs` for the errors)."""
-        self.add_processed_request(
-            self.process_inputs(request_id, prompt, params, priority, arrival_time)
-        )
+        """Validate a request and queue it (see `process_inputs` for the errors).
+
+        A structured output is compiled here, blocking the caller, so that an
+        invalid schema is this call's `ValueError` (`AsyncLLM` compiles off its
+        event loop instead).
+        """
+        req = self.process_inputs(request_id, prompt, params, priority, arrival_time)
+        if req.params.structured_outputs is not None:
+            self.structured_output_manager.compile(req.params.structured_outputs)
+        self.add_processed_request(req)
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar compiler (shared with `AsyncLLM` in thread mode)."""
+        return self.input_processor.structured_output_manager
 
     # --8<-- [start:add_request]
     def add_processed_request(self, req: ProcessedRequest) -> None:
         """Queue a request that `process_inputs` validated.
 
+        A request with a structured output whose grammar is still compiling is
+        held here, out of the scheduler, until it has compiled (`_admit_compiled`).
+
         Raises:
-            ValueError: if the id is in use or the request can never fit the cache.
+            ValueError: if the id is in use, the request can never fit the cache,
+                or its structured output is invalid (when that is already known).
         """
         if req.request_id in self._groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        spec = req.params.structured_outputs
+        compiling = None if spec is None else self.structured_output_manager.submit(spec)
         n = req.params.n
         group = _Group(req.request_id, req.prompt, req.prompt_token_ids, [], req.arrival_time,
                        final_only=req.params.output_kind == RequestOutputKind.FINAL_ONLY)
@@ -203,7 +248,10 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
                 request=request,
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
-                stop_checker=StopChecker(req.params, self.eos_token_ids),
+                # A grammar decides where its output may end: min_tokens does not apply.
+                stop_checker=StopChecker(req.params if spec is None
+                                         else req.params.replace(min_tokens=0),
+                                         self.eos_token_ids),
                 generator=None if seed is None else make_generator(seed, self.model_runner.device),
                 # A seeded completion's noise key comes from its generator's seed.
                 noise_key=(None if seed is not None
@@ -211,6 +259,19 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
                 text_at_end=self._detokenizes_at_end(req.params),
                 logprobs=[] if req.params.logprobs is not None else None,
             ))
+        if compiling is not None and not compiling.done():
+            for c in group.completions:  # refused now if it could never run
+                self.scheduler.check_request(c.request)
+            self._compiling[req.request_id] = compiling
+        else:
+            if compiling is not None:
+                self._attach_grammars(group, compiling.result())  # raises the spec's ValueError
+            self._schedule_group(group)
+        self._groups[req.request_id] = group
+        for c in group.completions:
+            self._children[c.request.request_id] = (group, c)
+
+    def _schedule_group(self, group: _Group) -> None:
         added: list[str] = []
         try:
             for c in group.completions:
@@ -219,10 +280,54 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         except ValueError:
             self.scheduler.abort_requests(added)
             raise
-        self._groups[req.request_id] = group
-        for c in group.completions:
-            self._children[c.request.request_id] = (group, c)
     # --8<-- [end:add_request]
+
+    # --8<-- [start:attach_grammars]
+    def _attach_grammars(self, group: _Group, compiled: object) -> None:
+        """Give each completion of a group its own matcher over the compiled grammar.
+
+        The matcher ends where EOS or one of the request's stop tokens may come.
+        With a reasoning parser, a prompt after which the model reasons first
+        (Qwen3 with thinking on) leaves the grammar waiting for `</think>`.
+        """
+        params = group.completions[0].request.sampling_params
+        stops = [*self.eos_token_ids, *params.stop_token_ids]
+        reasoning = (self.reasoning_parser is not None
+                     and self.reasoning_parser.starts_in_reasoning(group.prompt_token_ids))
+        for c in group.completions:
+            c.grammar = self.structured_output_manager.new_grammar(compiled, stops)
+            c.reasoning_ended = not reasoning
+            if c.grammar.vocab_size != self.vocab_size:
+                raise ValueError(f"structured_outputs: the grammar covers {c.grammar.vocab_size} "
+                                 f"token ids, the model {self.vocab_size}")
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the held requests whose grammar has compiled; fail those whose
+        grammar did not (invalid, or over the time bound).
+
+        With nothing else to run, it waits a little for the first compile to end,
+        so an idle engine does not spin (and still sees new commands promptly).
+        """
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            wait_futures(list(self._compiling.values()), timeout=GRAMMAR_POLL_S,
+                         return_when=FIRST_COMPLETED)
+        outputs = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            group = self._groups[request_id]
+            try:
+                self._attach_grammars(group, future.result())
+                self._schedule_group(group)
+            except ValueError as e:
+                for c in group.completions:
+                    c.finish_reason = "error"
+                group.error = str(e)
+                self.stats["num_requests_failed"] += 1
+                outputs.append(self._make_output(group))
+        return outputs
+    # --8<-- [end:attach_grammars]
 
     # --8<-- [start:detokenizes_at_end]
     def _detokenizes_at_end(self, params: SamplingParams) -> bool:
@@ -238,28 +343,33 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
     # --8<-- [start:step]
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; return a delta for each request that progressed."""
+        # Requests whose grammar has compiled join the scheduler (chapter 18).
+        outputs = self._admit_compiled() if self._compiling else []
         if self.async_scheduling:  # plan the next step before reading this one (chapter 9)
-            return self.step_async()
+            return outputs + self.step_async()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             self._last_sampling = None  # no token drawn: the next rows start afresh
-            return []
+            return outputs
         launched = self._launch(sched)
         if isinstance(launched, list):  # the step failed
-            return launched
-        return self._process(launched)
+            return outputs + launched
+        return outputs + self._process(launched)
     # --8<-- [end:step]
 
     # --8<-- [start:launch]
-    def _launch(self, sched: SchedulerOutput,
-                prev: _Step | None = None) -> _Step | list[RequestOutput]:
+    def _launch(self, sched: SchedulerOutput, prev: _Step | None = None,
+                before_sampling: Callable[[], None] | None = None
+                ) -> _Step | list[RequestOutput]:
         """Run the model and the sampler for a scheduled step without waiting for them.
 
         `prev`: the step launched before and not read back yet (async scheduling).
+        `before_sampling`: called once the forward is queued, before the
+        sampler's inputs are built (async scheduling reads `prev` back there).
         A step with proposal slots is a speculative step (`_launch_spec`).
         """
         if self._speculates(sched):
-            return self._launch_spec(sched, prev)
+            return self._launch_spec(sched, prev, before_sampling)
         entries = self._batch_entries(sched, prev)
         sampling = [self._children[s.request.request_id] for s in sched.scheduled if s.sample]
         try:
@@ -269,6 +379,8 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             if not sampling:  # only prompt chunks that are not the last: nothing to sample
                 self._last_sampling = None
                 return _Step([], self.model_runner.to_host([]), {}, None, False, decode_only)
+            if before_sampling is not None:
+                before_sampling()
             metadata = self._sampling_metadata(sampling, logits.device)
             sampled = self.sampler(logits, metadata)
         except WorkerDiedError:
@@ -286,9 +398,9 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             host=self.model_runner.to_host(tensors),  # the copies start; nothing waits
             row_of={c.request.request_id: i for i, (_, c, _) in enumerate(rows)},
             sampled=sampled.sampled_token_ids,
-            needs_values=(any(_uses_penalties(c.request.sampling_params) for _, c in sampling)
-                          or self._wants_values(sampling)),
+            needs_values=self._wants_values(sampling),
             decode_only=decode_only,
+            sampler_needs_values=any(_depends_on_tokens(c) for _, c in sampling),
         )
     # --8<-- [end:launch]
 
@@ -316,12 +428,19 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         # in the same rows as the step launched just before, each of which drew one token.
         same = (last is not None and len(last[0]) == len(rows)
                 and all(a is b for a, b in zip(last[0], rows)))
-        metadata = last[1].next_step() if same else None
+        # A grammar's mask or a bad word's ban moves with every token, even on a
+        # step where it happens to mask nothing: such rows are built anew.
+        constrained = any(c.grammar is not None or c.request.sampling_params.bad_words_token_ids
+                          for c in rows)
+        metadata = last[1].next_step() if same and not constrained else None
         if metadata is None:
+            start = time.perf_counter()
             metadata = self.sampler.build_metadata(
                 [self._sampling_request(c) for _, c in sampling],
                 device=device, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
             )
+            if metadata.grammar_bitmask is not None:
+                self.stats["structured_output_metadata_s"] += time.perf_counter() - start
         self._last_sampling = (rows, metadata)
         return metadata
     # --8<-- [end:sampling_metadata]
@@ -330,7 +449,8 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         """What the sampler needs to know about a completion's row."""
         r = c.request
         return SamplingRequest(r.sampling_params, c.generator, r.prompt_token_ids,
-                               r.output_token_ids, c.noise_key)
+                               r.output_token_ids, c.noise_key,
+                               grammar=c.grammar if c.reasoning_ended else None)
 
     # --8<-- [start:process]
     def _process(self, step: _Step) -> list[RequestOutput]:
@@ -373,9 +493,11 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         self, c: _Completion, token_id: int, num_output: int, logprobs: _LogprobRows | None,
         row: int,
     ) -> None:
-        """Detokenize a sampled token (or leave that to the end), check the stop rules,
-        finish the request if done."""
+        """Advance the completion's grammar, detokenize the token (or leave that to
+        the end), check the stop rules, finish the request if done."""
         req, checker = c.request, c.stop_checker
+        if c.grammar is not None and not self._advance_grammar(c, token_id):
+            return
         if c.text_at_end:  # the rules on token ids alone; the text comes at the end
             finished = checker.check_token(token_id, num_output)
         else:
@@ -391,6 +513,31 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         if finished:
             self._finish_completion(c)
     # --8<-- [end:append_token]
+
+    # --8<-- [start:advance_grammar]
+    def _advance_grammar(self, c: _Completion, token_id: int) -> bool:
+        """Move a constrained completion's matcher past its new token.
+
+        During the reasoning only the end of the reasoning is looked for; the
+        grammar applies from the next token on. The sampler drew the token
+        under this matcher's mask, so a refusal is a bug: the request fails
+        (False) rather than return text its grammar does not allow.
+        """
+        grammar = c.grammar
+        if not c.reasoning_ended:
+            c.reasoning_ended = token_id == self.reasoning_parser.reasoning_end_token_id
+            return True
+        if grammar.is_terminated():  # it accepted a stop token (and ignore_eos went on)
+            return True
+        if grammar.accept_token(token_id):
+            self.stats["structured_output_tokens_total"] += 1
+            return True
+        logger.error("request %s: its grammar refused sampled token %d",
+                     c.request.request_id, token_id)
+        group = self._children[c.request.request_id][0]
+        self._fail_group(group, f"the sampled token {token_id} broke the request's grammar")
+        return False
+    # --8<-- [end:advance_grammar]
 
     # --8<-- [start:finish_completion]
     def _finish_completion(self, c: _Completion) -> None:
@@ -449,6 +596,7 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             group = self._groups.get(rid)
             if group is None:
                 continue
+            self._compiling.pop(rid, None)  # held while its grammar compiles
             live = [c for c in group.completions if c.finish_reason is None]
             self.scheduler.abort_requests([c.request.request_id for c in live])
             for c in live:
@@ -465,20 +613,24 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         groups = {self._children[cid][0].request_id: self._children[cid][0] for cid in child_ids}
         outputs = []
         for group in groups.values():
-            for c in group.completions:
-                if c.finish_reason is None:
-                    # FINISHED_ERROR also drops the prefix cache: blocks this
-                    # step filled may hold garbage.
-                    self.scheduler.finish_request(c.request.request_id,
-                                                  RequestStatus.FINISHED_ERROR)
-            for c in group.completions:
-                if c.finish_reason is None and c.text_at_end:
-                    c.text = self._text_at_end(c, flush=False)
-                c.finish_reason = c.finish_reason or "error"
-            group.error = f"the engine failed while computing this request: {error}"
-            self.stats["num_requests_failed"] += 1
+            self._fail_group(group, error)
             outputs.append(self._make_output(group))
         return outputs
+
+    def _fail_group(self, group: _Group, error: str) -> None:
+        """End every unfinished completion of a group with "error" (no output made)."""
+        for c in group.completions:
+            if c.finish_reason is None:
+                # FINISHED_ERROR also drops the prefix cache: blocks this
+                # step filled may hold garbage.
+                self.scheduler.finish_request(c.request.request_id,
+                                              RequestStatus.FINISHED_ERROR)
+        for c in group.completions:
+            if c.finish_reason is None and c.text_at_end:
+                c.text = self._text_at_end(c, flush=False)
+            c.finish_reason = c.finish_reason or "error"
+        group.error = f"the engine failed while computing this request: {error}"
+        self.stats["num_requests_failed"] += 1
     # --8<-- [end:fail]
 
     def shutdown(self) -> None:
@@ -487,6 +639,7 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         shutdown = getattr(self.model_runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        self.input_processor.shutdown()
 
     def get_stats(self) -> dict:
         """Scheduler and KV-cache statistics plus token counters, JSON-friendly."""
@@ -500,6 +653,14 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
 def _uses_penalties(p: SamplingParams) -> bool:
     return (p.presence_penalty != 0 or p.frequency_penalty != 0
             or (p.repetition_penalty is not None and p.repetition_penalty != 1))
+
+
+def _depends_on_tokens(c: _Completion) -> bool:
+    """Whether a completion's next sampling depends on the values of its tokens so far:
+    penalties count them, a grammar's mask and a bad word's ban follow them."""
+    p = c.request.sampling_params
+    return (_uses_penalties(p) or bool(p.bad_words_token_ids)
+            or (c.grammar is not None and not c.grammar.is_terminated()))
 
 
 class _LogprobRows:
@@ -528,10 +689,13 @@ class _Step:
     host: HostCopy  # the sampled ids (and logprobs) on their way to the host
     row_of: dict[str, int]  # child request id -> row of `sampled`
     sampled: torch.Tensor | None  # [rows] on the device, read by the next step
-    # A row uses penalties or will speculate: read it back before the next schedule.
+    # A row will speculate: read it back before the next schedule.
     needs_values: bool
     decode_only: bool = False  # every sequence decoded one token (statistics)
     spec: SpecRows | None = None  # a speculative step: several tokens a row
+    # A row's next sampling depends on its tokens' values (penalties, a grammar,
+    # bad words): read it back before the next step's sampler.
+    sampler_needs_values: bool = False
 # --8<-- [end:launched_step]
 
 

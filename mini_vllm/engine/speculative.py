@@ -19,8 +19,8 @@ no proposal is a rejection sampler row with nothing to verify).
 A speculative step is always read back before the next one is planned (its
 number of tokens per sequence is only known then), and so is a step whose
 sequences will propose next (the proposer needs the tokens' values):
-`_Step.needs_values`, as for penalties. Sequences that do not speculate keep
-async scheduling's overlap.
+`_Step.needs_values`. Sequences that do not speculate keep async scheduling's
+overlap.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from mini_vllm.spec_decode.proposer import ProposalRequest, Proposer
 from mini_vllm.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from mini_vllm.config import EngineConfig
@@ -120,9 +122,14 @@ class SpeculativeSteps:
         return any(wants)
 
     # --8<-- [start:launch_spec]
-    def _launch_spec(self, sched: SchedulerOutput,
-                     prev: _Step | None = None) -> _Step | list[RequestOutput]:
-        """Propose, verify and rejection-sample a step (see the module docstring)."""
+    def _launch_spec(self, sched: SchedulerOutput, prev: _Step | None = None,
+                     before_sampling: Callable[[], None] | None = None
+                     ) -> _Step | list[RequestOutput]:
+        """Propose, verify and rejection-sample a step (see the module docstring).
+
+        `before_sampling` as for `_launch`: called once the verifying forward is
+        queued (rows that do not speculate may need the previous step's tokens).
+        """
         from mini_vllm.engine.llm_engine import _Step
 
         start = time.perf_counter()
@@ -146,6 +153,8 @@ class SpeculativeSteps:
                         entries[i], token_ids=[*entries[i].token_ids, *d], num_logits=1 + len(d))
             logits = self.model_runner.execute(  # [sum(1 + k), V]
                 entries, prev.sampled if prev is not None else None)
+            if before_sampling is not None:
+                before_sampling()
             metadata = self._verify_metadata(rows, drafts, logits.device)
             num_drafts = [len(drafts.get(i, ())) for i, _, _ in rows]
             result = self.rejection_sampler(

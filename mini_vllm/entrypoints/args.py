@@ -51,6 +51,11 @@ class FrontendArgs:
         max_queued_seqs: sequences (prompts x n) the server holds beyond the
             engine's running batch (`max_num_seqs`); a request that finds no
             room gets 503 with `Retry-After`.
+        enable_auto_tool_choice: let the model decide whether to call a tool
+            (`tool_choice` "auto", the default when a request has tools); its
+            calls are parsed with `tool_call_parser`.
+        tool_call_parser: how the model writes tool calls (`"hermes"`: Qwen3's
+            `<tool_call>` tags).
     """
 
     api_key: tuple[str, ...] = ()
@@ -75,6 +80,8 @@ class FrontendArgs:
     max_stop_string_len: int = 256
     max_logprobs: int = MAX_LOGPROBS
     max_queued_seqs: int = 4096
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 # --8<-- [end:frontend_args]
 
     def __post_init__(self) -> None:
@@ -102,6 +109,13 @@ class FrontendArgs:
                              f"returns), got {self.max_logprobs}")
         if self.max_queued_seqs < 0:
             raise ValueError(f"max_queued_seqs must be >= 0, got {self.max_queued_seqs}")
+        from mini_vllm.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. hermes)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -1,7 +1,8 @@
 """The OpenAI wire format: pydantic models of requests, responses and errors.
 
-Requests accept and ignore fields they do not know (benchmark clients send
-`best_of`, `suffix`, `tools` ...). Sampling fields a request leaves out stay
+Requests accept and ignore fields they do not know (the server logs their
+names); a field of the OpenAI API that the server does not implement is
+refused (`suffix`, a `best_of` other than `n`). Sampling fields a request leaves out stay
 `None` so that the engine (`SamplingParams.with_defaults`) fills them from the
 model's `generation_config.json`, exactly as vLLM does.
 
@@ -14,6 +15,7 @@ building blocks on an `OpenAIBaseModel`.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -25,11 +27,17 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
 
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+from mini_vllm.structured_output.params import StructuredOutputsParams
+from mini_vllm.tool_parsers.tool_choice import tool_choice_structured_outputs
+
+logger = logging.getLogger(__name__)
 
 
 def random_id(prefix: str) -> str:
@@ -39,9 +47,20 @@ def random_id(prefix: str) -> str:
 
 # --8<-- [start:strict_types]
 class OpenAIBaseModel(BaseModel):
-    """Base of every request: strict JSON types; unknown fields are accepted and dropped."""
+    """Base of every request: strict JSON types; unknown fields are dropped, and logged."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = [str(k)[:40] for k in data if k not in known]
+            if unknown:  # (a few names, each cut short: the log line stays small)
+                logger.warning("%s: ignoring field(s) it does not know: %s", cls.__name__,
+                               ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else ""))
+        return data
 
 
 def _valid_unicode(text: str) -> str:
@@ -135,6 +154,28 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+# --8<-- [start:response_format]
+class JsonSchemaFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: the schema the answer must follow.
+
+    `strict` is accepted either way: the grammar always admits exactly the
+    schema's properties (OpenAI's strict behaviour).
+    """
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: JSONObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+# --8<-- [end:response_format]
+
+
 # --8<-- [start:sampling_fields]
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share, and their mapping to `SamplingParams`.
@@ -162,6 +203,14 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    best_of: int | None = None  # accepted only when it changes nothing (equal to n)
+    # Which tokens may be drawn (chapter 18): vLLM's extra parameters and OpenAI's.
+    logit_bias: dict[Text, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
+    prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: JSONObject | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -169,11 +218,50 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of ({best_of}) must equal n ({n}): the server does not "
+                             "rank extra candidates")
+        return best_of
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_output_format(cls, value: dict | None, info: ValidationInfo) -> dict | None:
+        fmt = info.data.get("response_format")
+        if value is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("give either response_format or structured_outputs, not both")
+        return value
+
+    # --8<-- [start:structured_outputs_params]
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field it came from.
+
+        Raises:
+            ValueError: naming the field, when the constraint is malformed.
+        """
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format: a json_schema response format needs "
+                                 "json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams.from_dict(self.structured_outputs), "structured_outputs"
+        return None, None
+    # --8<-- [end:structured_outputs_params]
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                              structured_outputs: StructuredOutputsParams | None = None
+                              ) -> SamplingParams:
         """The engine's `SamplingParams` for this request.
 
         Fields left `None` stay unset: the engine fills them from the model's
@@ -204,6 +292,11 @@ class SamplingRequest(OpenAIBaseModel):
             # A whole response is sent once, at the end: the engine need not hand
             # back (or detokenize) anything before the request finishes.
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
         )
 # --8<-- [end:sampling_fields]
 
@@ -220,6 +313,14 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # null: up to the context length
     logprobs: int | None = None
     echo: bool = False
+    suffix: Text | None = None  # text after the insertion point: not implemented
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported (the model cannot insert text)")
+        return suffix
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (each a string or token ids)."""
@@ -236,11 +337,33 @@ class TextContentPart(OpenAIBaseModel):
     text: Text
 
 
+class FunctionCallText(OpenAIBaseModel):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class MessageToolCall(OpenAIBaseModel):
+    """A tool call of an earlier assistant message, sent back by the client."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(OpenAIBaseModel):
-    """One message of a conversation; content is a string or a list of text parts."""
+    """One message of a conversation; content is a string or a list of text parts.
+
+    An assistant message may carry the `tool_calls` it made (and its
+    `reasoning`); a `tool` message answers the call `tool_call_id`.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -249,6 +372,47 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (OpenAI's "developer" is "system")."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+# --8<-- [start:tools]
+class FunctionDefinition(OpenAIBaseModel):
+    name: Text
+    description: Text | None = None
+    parameters: JSONObject | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# --8<-- [end:tools]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -265,12 +429,56 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: JSONObject | None = None
+    tools: list[ChatCompletionToolsParam] | None = Field(default=None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs can only be set when logprobs is true")
         return self
+
+    # --8<-- [start:tool_choice]
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_needs_tools(cls, choice: str | NamedToolChoice | None,
+                                 info: ValidationInfo) -> str | NamedToolChoice | None:
+        if choice is None:
+            return choice
+        tools = info.data.get("tools")
+        if not tools:
+            raise ValueError("tool_choice can only be set together with tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is "
+                             "not in tools")
+        fmt = info.data.get("response_format")
+        if choice not in ("none", "auto") and (
+                info.data.get("structured_outputs") is not None
+                or (fmt is not None and fmt.type != "text")):
+            raise ValueError("a required or named tool_choice constrains the output itself: "
+                             "it cannot be combined with response_format or structured_outputs")
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """`tool_choice`, defaulting as OpenAI's does: "auto" with tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """As for completions, or with a required or named `tool_choice` the grammar
+        of its calls (`tool_parsers/tool_choice.py`)."""
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return super().structured_outputs_params()
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        named = choice if isinstance(choice, str) else choice.model_dump()
+        parallel = self.parallel_tool_calls is not False
+        return tool_choice_structured_outputs(tools, named, parallel), "tools"
+    # --8<-- [end:tool_choice]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -339,9 +547,29 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    """A tool call the model made (`message.tool_calls[i]`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """The assistant's message. With a reasoning parser the reasoning comes apart
+    (`reasoning`, and `reasoning_content` for older clients); with tools, the
+    calls it made (`content` is then `None` when nothing else was written)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -362,14 +590,21 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """What a chunk adds to a message; fields left at `None` are not sent."""
+    """What a chunk adds to a message; fields left at `None` are not sent.
+
+    `tool_calls` holds OpenAI's streamed pieces of calls (`DeltaToolCall.to_openai`).
+    """
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="plain")
-    def _drop_none(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    def _drop_none(self) -> dict[str, Any]:
+        return {k: v for k in ("role", "content", "reasoning", "reasoning_content", "tool_calls")
+                if (v := getattr(self, k)) is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):

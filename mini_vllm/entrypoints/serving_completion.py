@@ -31,7 +31,6 @@ from mini_vllm.entrypoints.serving_engine import (
     OpenAIError,
     OpenAIServing,
     ServerShuttingDown,
-    bad_request,
     request_id_of,
     sse_stream,
     token_text,
@@ -64,10 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if not prompts:  # the engine refuses each empty prompt itself
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         self.check_limits(request, len(prompts), request.logprobs)
-        try:
-            params = request.build_sampling_params(request.max_tokens, request.logprobs)
-        except ValueError as e:
-            raise bad_request(e) from None
+        params = await self.structured_sampling_params(request, request.max_tokens,
+                                                       request.logprobs)
 
         ticket = self.admit(request, len(prompts))
         request_id = random_id("cmpl")

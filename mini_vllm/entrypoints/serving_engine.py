@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
@@ -97,7 +98,8 @@ def bad_request(exc: ValueError) -> OpenAIError:
     request field it becomes the error's `param`.
     """
     message = str(exc)
-    first = message.replace(":", " ").split(" ", 1)[0]
+    # "temperature must ...", "prompt: ...", "structured_outputs.json: ...", "logit_bias[5] ..."
+    first = re.split(r"[\s:.\[]", message, maxsplit=1)[0]
     return OpenAIError(400, message, param=first if first in _REQUEST_FIELDS else None)
 
 
@@ -280,6 +282,37 @@ class OpenAIServing:
             raise OpenAIError(400, str(e), param="n") from None
         except ServerBusy as e:
             raise error_from_exception(e) from None
+
+    # --8<-- [start:compile_structured_output]
+    async def structured_sampling_params(self, request: SamplingRequest, max_tokens: int | None,
+                                         logprobs: int | None) -> SamplingParams:
+        """The request's `SamplingParams`, its structured output compiled (chapter 18).
+
+        The grammar compiles on the grammar engine's worker threads while the
+        event loop goes on serving; once compiled it is cached, and the engine
+        finds it there. So an invalid schema, regex or grammar, or one that
+        takes longer than the bound to compile, is a 400 before the request
+        takes any room in the server.
+
+        Raises:
+            OpenAIError: 400 naming the field the constraint came from.
+        """
+        try:
+            spec, field = request.structured_outputs_params()
+            params = request.build_sampling_params(max_tokens, logprobs, spec)
+        except ValueError as e:
+            raise bad_request(e) from None
+        if spec is None:
+            return params
+        try:
+            await self.engine.compile_structured_output(params)
+        except ValueError as e:
+            message = str(e)
+            if field != "structured_outputs":  # the client sent `field`, not our spec
+                message = f"{field}: {message.split(': ', 1)[-1]}"
+            raise OpenAIError(400, message, param=field) from None
+        return params
+    # --8<-- [end:compile_structured_output]
 
     async def run_blocking(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the worker pool, so the event loop goes on serving meanwhile."""

@@ -34,6 +34,8 @@ from mini_vllm.tokenizer import Tokenizer
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+# How Qwen3's chat template opens the assistant's turn (the generation prompt).
+ASSISTANT_TURN = "<|im_start|>assistant\n"
 
 
 # --8<-- [start:splitter]
@@ -108,6 +110,7 @@ class Qwen3ReasoningParser:
         self.enable_thinking = enable_thinking
         self.prompt_opens_reasoning = prompt_opens_reasoning and enable_thinking
         self._stream = self._new_splitter()
+        self._turn: list[int] | None = None  # ASSISTANT_TURN's ids, once asked for
 
     def _new_splitter(self) -> _ThinkSplitter:
         if not self.enable_thinking:
@@ -180,5 +183,43 @@ class Qwen3ReasoningParser:
         return [] if start is None else list(token_ids[start:])
     # --8<-- [end:token_ids]
 
+    # --8<-- [start:starts_in_reasoning]
+    @property
+    def reasoning_end_token_id(self) -> int:
+        """The id of `</think>`: the token after which a structured output applies."""
+        return self._tag_ids()[1]
 
-__all__ = ["THINK_END", "THINK_START", "Qwen3ReasoningParser"]
+    def starts_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the output that follows this prompt begins with reasoning.
+
+        The engine asks this once per request with a structured output: its
+        grammar then waits for `</think>`. Decided on the prompt's ids alone:
+
+            ...<|im_start|>assistant\\n            a Qwen3 turn with thinking on: True
+            ...<think>\\n  (the last tag)           the template opened the block: True
+            ...</think>\\n\\n  (the last tag)        thinking off, the block is closed: False
+            no tag, not an assistant turn          a plain completion: False
+        """
+        start_id, end_id = self._tag_ids()
+        ids = list(prompt_token_ids)
+        turn = self._turn_ids()
+        if turn and ids[-len(turn):] == turn:
+            return True
+        last = {}
+        for tag in (start_id, end_id):  # (list.index runs in C: fast on long prompts)
+            try:
+                last[tag] = len(ids) - 1 - ids[::-1].index(tag)
+            except ValueError:
+                last[tag] = -1
+        return last[start_id] > last[end_id]
+
+    def _turn_ids(self) -> list[int]:
+        """The ids of an assistant turn's opening, `<|im_start|>assistant\\n`."""
+        if self._turn is None:
+            has_turns = self.tokenizer.token_to_id("<|im_start|>") is not None
+            self._turn = self.tokenizer.encode(ASSISTANT_TURN) if has_turns else []
+        return self._turn
+    # --8<-- [end:starts_in_reasoning]
+
+
+__all__ = ["ASSISTANT_TURN", "THINK_END", "THINK_START", "Qwen3ReasoningParser"]

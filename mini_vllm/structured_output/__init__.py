@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         bitmask_width,
         unpack_bitmask,
     )
-    from mini_vllm.structured_output.grammar import StructuredOutputGrammar
+    from mini_vllm.structured_output.grammar import StructuredOutputGrammar, fill_bitmasks
     from mini_vllm.structured_output.manager import (
         GrammarCompileTimeout,
         StructuredOutputManager,
@@ -41,6 +41,7 @@ _LAZY = {
     "unpack_bitmask": "mini_vllm.structured_output.bitmask",
     "build_tokenizer_info": "mini_vllm.structured_output.backend",
     "StructuredOutputGrammar": "mini_vllm.structured_output.grammar",
+    "fill_bitmasks": "mini_vllm.structured_output.grammar",
     "GrammarCompileTimeout": "mini_vllm.structured_output.manager",
     "StructuredOutputManager": "mini_vllm.structured_output.manager",
 }
@@ -62,5 +63,6 @@ __all__ = [
     "apply_token_bitmask",
     "bitmask_width",
     "build_tokenizer_info",
+    "fill_bitmasks",
     "unpack_bitmask",
 ]

@@ -10,10 +10,17 @@ from the project's tokenizer:
     2319  "<tool_call>"         b"<tool_call>"   (an added token: its text)
     2307  "<|im_end|>"          -            a stop token: allowed where the grammar may end
     2306  "<|im_start|>"        b""          special: never part of constrained text
-    2331+ (no token)            b""          padding up to the model's vocab_size: never
 
 With it, a compiled grammar knows, for every state it can be in, which token
 ids may come next; that is what the matcher turns into a bitmask each step.
+
+The model's embedding may have more rows than the tokenizer has tokens
+(padding: the tiny checkpoint has 2,368 for 2,331 tokens, Qwen3 151,936 for
+151,669). xgrammar is told only about the tokenizer's ids: it would treat
+each padding id as a special token and clear its bit one by one at every
+fill, which costs more than the fill itself when padding is most of the
+vocabulary (the shipped tokenizer in a Qwen3-0.6B-shaped model). The padding
+columns of the bitmask are zero instead (`StructuredOutputGrammar`).
 """
 
 from __future__ import annotations
@@ -30,13 +37,14 @@ from mini_vllm.tokenizer import Tokenizer
 # --8<-- [start:tokenizer_info]
 def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int,
                          stop_token_ids: list[int] | None = None) -> xgr.TokenizerInfo:
-    """xgrammar's view of the vocabulary: the bytes of every id below `vocab_size`.
+    """xgrammar's view of the vocabulary: the bytes of every token id the model has.
 
     Args:
         tokenizer: the model's tokenizer (a byte-level BPE `tokenizer.json`).
         vocab_size: the model's vocabulary size, the logits' width. It may be
-            larger than the tokenizer's (ids past it are padding, never
-            allowed) or smaller (tokens past it are never sampled).
+            larger than the tokenizer's (ids past it are padding, left out
+            here: never allowed) or smaller (tokens past it are never
+            sampled, and left out too).
         stop_token_ids: ids that end a generation; the grammar allows them only
             where it may end. Default: the tokenizer's EOS ids.
 
@@ -53,11 +61,11 @@ def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int,
     # xgrammar never admits: its text ("<|im_start|>") would otherwise count as
     # ordinary characters inside a JSON string, and vanish from the decoded text.
     special = tokenizer.special_token_ids - set(stops)
-    encoded = ["" if i in special else (tokenizer.id_to_token(i) or "")
-               for i in range(min(vocab_size, tokenizer.vocab_size))]
-    encoded += [""] * (vocab_size - len(encoded))
-    return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
-                             stop_token_ids=stops, add_prefix_space=False)
+    size = min(vocab_size, tokenizer.vocab_size)
+    encoded = ["" if i in special else (tokenizer.id_to_token(i) or "") for i in range(size)]
+    return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=size,
+                             stop_token_ids=[t for t in stops if t < size],
+                             add_prefix_space=False)
 # --8<-- [end:tokenizer_info]
 
 

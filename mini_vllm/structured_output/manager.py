@@ -70,10 +70,13 @@ class StructuredOutputManager:
         cache_size: compiled grammars kept, least recently used dropped first.
         compile_timeout_s: a grammar not compiled this long after it was
             submitted is refused with `GrammarCompileTimeout`.
+        fill_threads: threads that fill a large batch's bitmask ("auto": one
+            per core).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_workers: int = 2,
-                 cache_size: int = 256, compile_timeout_s: float = 10.0) -> None:
+                 cache_size: int = 256, compile_timeout_s: float = 10.0,
+                 fill_threads: int | str = "auto") -> None:
         if max_workers < 1 or cache_size < 1 or compile_timeout_s <= 0:
             raise ValueError("max_workers and cache_size must be >= 1 and compile_timeout_s > 0; "
                              f"got {max_workers}, {cache_size}, {compile_timeout_s}")
@@ -83,6 +86,8 @@ class StructuredOutputManager:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
                                              cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        # Fills the bitmask rows of a large batch on several threads (the engine's step).
+        self._batch = xgr.BatchGrammarMatcher(fill_threads)
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_size = cache_size
@@ -161,7 +166,7 @@ class StructuredOutputManager:
     def new_grammar(self, compiled: xgr.CompiledGrammar,
                     stop_token_ids: list[int] | None = None) -> StructuredOutputGrammar:
         """A fresh matcher over `compiled` for one request (see `StructuredOutputGrammar`)."""
-        return StructuredOutputGrammar(compiled, stop_token_ids)
+        return StructuredOutputGrammar(compiled, stop_token_ids, self.vocab_size, self._batch)
 
     def allocate_token_bitmask(self, num_rows: int) -> torch.Tensor:
         """A CPU bitmask of `num_rows` rows of this vocabulary, all ids allowed."""

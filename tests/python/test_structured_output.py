@@ -32,6 +32,7 @@ from mini_vllm.structured_output import (
     StructuredOutputsParams,
     allocate_token_bitmask,
     apply_token_bitmask,
+    fill_bitmasks,
     unpack_bitmask,
 )
 from mini_vllm.tokenizer import Tokenizer
@@ -255,7 +256,7 @@ def test_sampling_params_token_controls_normalise(tok: Tokenizer) -> None:
 
 def test_tokenizer_info_bytes_specials_and_padding(tok: Tokenizer, manager) -> None:
     info = manager.tokenizer_info
-    assert info.vocab_size == VOCAB
+    assert info.vocab_size == tok.vocab_size  # padding ids are not xgrammar's business
     vocab = info.decoded_vocab
     for i in range(0, 2305, 7):  # ordinary tokens: the bytes the tokenizer decodes them to
         text = tok.decode([i])
@@ -264,9 +265,20 @@ def test_tokenizer_info_bytes_specials_and_padding(tok: Tokenizer, manager) -> N
     assert vocab[tok.token_to_id("<tool_call>")] == b"<tool_call>"  # added, not special
     special = set(info.special_token_ids)
     assert tok.token_to_id("<|im_start|>") in special  # never inside constrained text
-    assert set(range(tok.vocab_size, VOCAB)) <= special  # padding ids
     assert set(info.stop_token_ids) == set(tok.eos_token_ids)
     assert not set(tok.eos_token_ids) & special
+    # The bitmask still covers the model's vocabulary; padding ids are never allowed,
+    # on one row or many (the threaded fill), wherever the grammar is.
+    compiled = manager.compile(StructuredOutputsParams(regex="[\\s\\S]*"))  # any text
+    grammars = [manager.new_grammar(compiled) for _ in range(40)]
+    bitmask = allocate_token_bitmask(40, VOCAB)
+    fill_bitmasks(grammars, bitmask)
+    allowed = unpack_bitmask(bitmask, VOCAB)
+    assert not allowed[:, tok.vocab_size:].any()
+    assert allowed[:, :tok.vocab_size].sum(dim=1).min() > tok.vocab_size // 2
+    one = allocate_token_bitmask(3, VOCAB)
+    grammars[0].fill_bitmask(one, 2)
+    assert torch.equal(one[2], bitmask[0]) and (one[:2] == -1).all()
 
 
 # ----------------------------------------------------------------------------- bitmask
@@ -936,3 +948,30 @@ def test_forced_tool_calls_tiny_model(tok: Tokenizer, manager, hf_model) -> None
                     max_steps=400)
     for ids in outs:
         check_calls(finished_text(tok, ids), None)
+
+
+# ----------------------------------------------------------------------------- the engine on a GPU
+
+
+@pytest.mark.gpu
+def test_gpu_engine_constrained_rows_validate(tiny_model_dir: Path) -> None:
+    """The GPU path (fused sampler, async scheduling, CUDA graphs) with constrained and
+    free rows in one batch: every constrained output validates, at temperature 0 and 1."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mini_vllm import LLM
+
+    llm = LLM(str(tiny_model_dir), max_model_len=1024, device="cuda")
+    assert llm.engine.async_scheduling
+    schemas = [p.values[0] for p in SCHEMAS for _ in (0.0, 1.0)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=450, n=2,
+                             structured_outputs={"json": p.values[0]})
+              for i, p in enumerate(SCHEMAS) for t in (0.0, 1.0)]
+    params += [SamplingParams(temperature=1.0, seed=99, max_tokens=200, ignore_eos=True)] * 4
+    outs = llm.generate(["Reply:"] * len(params), params, use_tqdm=False)
+    for out, schema in zip(outs, schemas):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+    assert all(len(o.outputs[0].token_ids) == 200 for o in outs[len(schemas):])
+    assert llm.engine.get_stats()["structured_output_tokens_total"] > 0
