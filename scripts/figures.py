@@ -1457,6 +1457,20 @@ def models_moe(res: Results) -> str:
                   "grouped GEMM", "grouped: fraction of the floor"], rows)
 
 
+@block("tp-latency", "python benchmarks/latency.py --preset qwen3-8b --backends mini-vllm "
+                    "--prompt-lens 128 --output-len 32 --num-iters 2 --tensor-parallel-size N "
+                    "--output benchmarks/results/tp/latency_tpN.json (N = 2, then 1, one job)")
+def tp_latency(res: Results) -> str:
+    """Batch-1 decode of the Qwen3-8B shape at TP = 1 and 2 on one host."""
+    rows, base = [], None
+    for tp in (1, 2):
+        r = res(f"tp/latency_tp{tp}.json")["results"]["mini-vllm"]["by_prompt_len"]["128"]
+        base = base or r["tpot_ms"]
+        rows.append([str(tp), f"{r['tpot_ms']:.3f} ms", f"{r['ttft_ms']:.2f} ms",
+                     "–" if tp == 1 else times(r["tpot_ms"] / base, 2)])
+    return table(["TP", "decode, ms a token", "time to first token", "vs TP = 1"], rows)
+
+
 @block("spec-bar", SPEC_CMD)
 def spec_bar(res: Results) -> str:
     """The bar's checks: batch-1 speedup on the 8B shape, batch 32 with a missing proposer."""
