@@ -210,6 +210,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
              "max_window_layers": 4, "max_position_embeddings": 1024},
+    # A draft for speculative decoding (chapter 17): the default model's tokenizer and
+    # corpus, an eighth of its compute per token.
+    "nano": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+             "max_window_layers": 2, "max_position_embeddings": 1024},
     "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
               "max_window_layers": 8, "max_position_embeddings": 1024},
@@ -813,7 +818,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = evaluate_checkpoint(args.out, corpus)
     device_name = (torch.cuda.get_device_name(torch.device(args.device))
                    if args.device.startswith("cuda") else
-                   f"the CPU ({torch.get_num_threads()} threads)")
+                   f"the CPU ({torch.get_num_threads()} thread"
+                   f"{'s' if torch.get_num_threads() != 1 else ''})")
     results = {
         "size": cfg.size, "seed": cfg.seed, "parameters": parameters, "dtype": cfg.dtype,
         "device": args.device, "device_name": device_name, "torch": torch.__version__,
