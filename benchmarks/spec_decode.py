@@ -77,8 +77,9 @@ BAR_MISS = 0.95
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "qwen3-8b"],
-                   help="random-weight presets to measure (each in its own process)")
+    p.add_argument("--presets", nargs="*", default=["qwen3-0.6b", "qwen3-8b"],
+                   help="random-weight presets to measure (each in its own process); "
+                        "none: only the real pair")
     p.add_argument("--draft-preset", default="qwen3-0.6b",
                    help="the draft of section 3, for the last preset ('none': skip)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -327,6 +328,15 @@ def run_preset(preset: str, ns: argparse.Namespace, work: Path) -> dict[str, Any
     return result
 
 
+# Questions for a real pair: the embedded default model's world (its people, sums,
+# stories, a greeting) and one question outside it, which it politely refuses.
+REAL_PAIR_QUESTIONS = [
+    "Tell me a story about Mia's cat.", "Where does Leo live?", "What is 7 plus 5?",
+    "What is Ava's job?", "Hello!", "Tell me a story about a fox.", "What is 15 - 6?",
+    "What is the capital of France?",
+]
+
+
 def run_real_pair(ns: argparse.Namespace) -> dict[str, Any]:
     """Section 3 on trained checkpoints: acceptance and speed on text, batch 1."""
     from mini_vllm import LLM, SamplingParams
@@ -334,12 +344,12 @@ def run_real_pair(ns: argparse.Namespace) -> dict[str, Any]:
     engine = LLM(ns.target_model, device=ns.device, speculative_config={
         "model": ns.draft_model, "num_speculative_tokens": 4, "adaptive": False}).engine
     tok = engine.tokenizer
-    questions = ["Tell me a short story about a cat.", "What is the capital of France?",
-                 "Write a haiku about the sea.", "List three colours."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True))
-               for q in questions]
-    out: dict[str, Any] = {"status": "ok", "runs": []}
+               for q in REAL_PAIR_QUESTIONS]
+    out: dict[str, Any] = {"status": "ok", "target": Path(ns.target_model).name,
+                           "draft": Path(ns.draft_model).name,
+                           "questions": REAL_PAIR_QUESTIONS, "runs": []}
     for temperature in (0.0, 0.7):
         params = SamplingParams(temperature=temperature, max_tokens=ns.output_len, seed=ns.seed)
         for k in (2, 4):
@@ -349,20 +359,30 @@ def run_real_pair(ns: argparse.Namespace) -> dict[str, Any]:
                 engine.spec_policy = policy if speculate else None
                 before = engine.get_stats()
                 t0 = time.perf_counter()
-                n = 0
+                texts: list[list[int]] = []
+                steps = 0  # target forwards (one request at a time: one per step)
                 for i, p in enumerate(prompts):
                     engine.add_request(f"real-{temperature}-{k}-{speculate}-{i}", p, params)
+                    texts.append([])
                     while engine.has_unfinished_requests():
-                        n += sum(len(o.outputs[0].token_ids) for o in engine.step())
+                        steps += 1
+                        for o in engine.step():
+                            texts[-1] += o.outputs[0].token_ids
                 elapsed = time.perf_counter() - t0
+                n = sum(map(len, texts))
+                if not speculate:
+                    plain = texts
                 after = engine.get_stats()
                 drafted = after["spec_decode_num_draft_tokens"] - before[
                     "spec_decode_num_draft_tokens"]
                 accepted = after["spec_decode_num_accepted_tokens"] - before[
                     "spec_decode_num_accepted_tokens"]
                 out["runs"].append({"temperature": temperature, "k": k, "speculative": speculate,
-                                    "tok_s": n / elapsed, "num_draft_tokens": drafted,
-                                    "acceptance_rate": accepted / drafted if drafted else None})
+                                    "tok_s": n / elapsed, "num_tokens": n,
+                                    "num_target_forwards": steps,
+                                    "num_draft_tokens": drafted,
+                                    "acceptance_rate": accepted / drafted if drafted else None,
+                                    "identical_to_plain": texts == plain})
             engine.proposer, engine.spec_policy = proposer, policy
     return out
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.checkpoint import make_model
+from mini_vllm.checkpoint import default_model_dir, make_model
 from mini_vllm.config import EngineArgs, SchedulerConfig
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.kv_cache import KVCacheManager
@@ -491,6 +491,28 @@ def test_greedy_output_is_identical_alone_and_in_batches(
         assert stats["spec_decode_num_accepted_tokens"] > 0
     assert 0 < stats["spec_decode_draft_time_fraction"] < 1
     assert_no_leak(llm.engine)
+
+
+def test_the_shipped_draft_is_exact_and_mostly_accepted_on_the_default_model() -> None:
+    """The package's trained pair (`data/default_model`, `data/default_draft`): on the
+    default model's own questions greedy chat answers equal plain decoding token for token,
+    and most proposals are kept (0.96 measured; random drafts keep almost none). A draft
+    trained on another corpus or tokenizer, or one shipped half-written, fails the bound."""
+    target = default_model_dir()
+    draft = target.parent / "default_draft"
+    questions = ["Where does Leo live?", "What is 7 plus 5?", "Tell me a story about a fox.",
+                 "What is Ava's job?"]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    plain = LLM(str(target), dtype="float32")
+    spec = LLM(str(target), dtype="float32", speculative_config={
+        "model": str(draft), "num_speculative_tokens": 4, "adaptive": False})
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = token_ids(plain.chat(messages, params, use_tqdm=False))
+    assert token_ids(spec.chat(messages, params, use_tqdm=False)) == want
+    stats = spec.engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 40
+    assert stats["spec_decode_acceptance_rate"] > 0.8
+    assert_no_leak(spec.engine)
 
 
 def test_draft_catches_up_in_chunks(tiny_model_dir: Path,
