@@ -40,7 +40,8 @@ from mini_vllm.engine.speculative import SpecRows, SpeculativeSteps
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import Sampler, SamplingMetadata, SamplingRequest, make_generator
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.scheduler import Scheduler, SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mini_vllm.sampler import SamplingMetadata
+from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.spec_decode.metrics import SpecDecodingStats
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.spec_decode.policy import SpeculationPolicy

@@ -28,7 +28,8 @@ from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.kv_cache.block_hash import extend_block_hashes
 from mini_vllm.model_runner import BatchEntry, ModelRunner, logits_rows
-from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.scheduler import Scheduler
 from mini_vllm.sequence import Request
 from mini_vllm.spec_decode.config import SpeculativeConfig
