@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,16 @@ def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _deterministic_torch() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """The CLI configures the `mini_vllm` logger for its process (its own stderr handler, no
+    propagation); undo that after each test so that later tests' `caplog` sees the records."""
+    log = logging.getLogger("mini_vllm")
+    saved = (list(log.handlers), log.level, log.propagate)
+    yield
+    log.handlers[:], log.level, log.propagate = saved
 
 
 # --------------------------------------------------------------------------- skips

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import logging
 import os
 import signal
 import socket
@@ -50,15 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> Iterator[None]:
-    """The CLI configures the `mini_vllm` logger for its process; undo that after each test."""
-    log = logging.getLogger("mini_vllm")
-    saved = (list(log.handlers), log.level, log.propagate)
-    yield
-    log.handlers[:], log.level, log.propagate = saved
 
 
 @dataclass
