@@ -53,13 +53,12 @@ from mini_vllm.entrypoints.middleware import (
 )
 from mini_vllm.entrypoints.protocol import (
     PROMPT_FORMS,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelList,
 )
+from mini_vllm.entrypoints.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.serving_engine import (

@@ -40,7 +40,6 @@ from mini_vllm.entrypoints.admission import Admission, ServerBusy, Ticket, Unit,
 from mini_vllm.entrypoints.args import FrontendArgs
 from mini_vllm.entrypoints.metrics import ServerMetrics
 from mini_vllm.entrypoints.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
@@ -48,6 +47,7 @@ from mini_vllm.entrypoints.protocol import (
     ModelList,
     SamplingRequest,
 )
+from mini_vllm.entrypoints.protocol_chat import ChatCompletionRequest
 from mini_vllm.outputs import Logprob, RequestOutput
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 from mini_vllm.tokenizer import Tokenizer
