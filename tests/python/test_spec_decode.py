@@ -174,7 +174,8 @@ def test_speculative_config_is_validated_naming_the_field(tiny_model_dir: Path,
 
 
 def test_cli_has_the_speculative_config_flag() -> None:
-    from mini_vllm.cli import build_parser  # (the server's packages: not on every GPU box)
+    # (the server's packages: not on every GPU box)
+    from mini_vllm.entrypoints.cli_args import build_parser
 
     ns = build_parser().parse_args(
         ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
