@@ -54,7 +54,8 @@ from mini_vllm.outputs import RequestOutput
 from mini_vllm.sampler import Sampler
 from mini_vllm.sampling_metadata import SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
-from mini_vllm.scheduler import Scheduler, SchedulerOutput
+from mini_vllm.scheduler import Scheduler
+from mini_vllm.scheduler_output import SchedulerOutput
 from mini_vllm.sequence import Request
 from mini_vllm.stop_checker import StopChecker
 from mini_vllm.tokenizer import IncrementalDetokenizer

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from mini_vllm.config import EngineConfig
     from mini_vllm.engine.request_state import _Completion, _Group
     from mini_vllm.outputs import RequestOutput
-    from mini_vllm.scheduler import SchedulerOutput
+    from mini_vllm.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
