@@ -5,9 +5,8 @@
 `tokenizer_config.json` with the chat template), so the engine, `transformers` and the
 tests all read our checkpoints through the same code as real ones. The tokenizer is the
 byte-level BPE shipped in `mini_vllm/data/` (built by `scripts/build_tokenizer.py`); the
-weights are random but deterministic in the seed. `resolve_model_dir` turns a user's
-`--model` argument into a checkpoint directory; without one it is the embedded default,
-a tiny Qwen3 trained by `scripts/train_tiny.py` and shipped in `mini_vllm/data/default_model/`.
+weights are random but deterministic in the seed. Where a `--model` argument points
+(or the embedded default model) is `model_dir.py`'s business.
 """
 
 from __future__ import annotations
@@ -28,9 +27,6 @@ from mini_vllm.model_config import resolve_dtype
 DATA_DIR = Path(__file__).resolve().parent / "data"
 TOKENIZER_FILE = DATA_DIR / "tokenizer.json"
 CHAT_TEMPLATE_FILE = DATA_DIR / "chat_template.jinja"
-# The embedded default model: a checkpoint directory inside the package, written by
-# scripts/train_tiny.py (trained weights, the shipped tokenizer and chat template).
-DEFAULT_MODEL_DIR = DATA_DIR / "default_model"
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 DEFAULT_PRESET = "tiny"
@@ -401,64 +397,18 @@ def make_model(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = 0,
 # --8<-- [end:make_model]
 
 
-def default_model_dir() -> Path:
-    """Where the embedded default model lives: `mini_vllm/data/default_model/` inside the
-    installed package (uninstalling mini-vllm removes it; nothing is written elsewhere)."""
-    return DEFAULT_MODEL_DIR
-
-
-_MISSING_MODEL_HINT = (
-    "make one with `mini-vllm make-model DIR --preset tiny`, or download a real one with "
-    "`hf download Qwen/Qwen3-0.6B --local-dir ./qwen3`"
-)
-
-
-# --8<-- [start:resolve_model_dir]
-def resolve_model_dir(model: str | Path | None) -> Path:
-    """Turn a `--model` argument into a checkpoint directory.
-
-    Args:
-        model: a directory holding a Hugging Face Qwen3 checkpoint, or None for the
-            embedded default model (see `default_model_dir`).
-
-    Raises:
-        FileNotFoundError: when `model` is not a directory with a `config.json`, or the
-            installed package lacks the default model's files.
-    """
-    if model is None:
-        path = default_model_dir()
-        missing = [name for name in ("config.json", "model.safetensors", "tokenizer.json",
-                                     "tokenizer_config.json") if not (path / name).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"the embedded default model in {path} lacks {', '.join(missing)}: reinstall "
-                "mini-vllm, retrain it with `python scripts/train_tiny.py`, or pass --model")
-        return path
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        what = ("has no config.json" if path.is_dir()
-                else "is not a directory" if path.exists() else "does not exist")
-        raise FileNotFoundError(
-            f"model directory {str(model)!r} {what}: {_MISSING_MODEL_HINT}")
-    return path
-# --8<-- [end:resolve_model_dir]
-
-
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "DEFAULT_MODEL_DIR",
     "GENERATION_CONFIG",
     "PRESETS",
     "cover_vocabulary",
-    "default_model_dir",
     "make_model",
     "preset_config",
     "random_weight",
-    "resolve_model_dir",
     "weight_shapes",
     "write_tokenizer_files",
     "write_weights",

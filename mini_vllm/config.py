@@ -276,7 +276,7 @@ class EngineArgs:
             ValueError: naming the argument that is out of range.
             FileNotFoundError: when the model directory lacks `config.json`.
         """
-        from mini_vllm.checkpoint import resolve_model_dir
+        from mini_vllm.model_dir import resolve_model_dir
         from mini_vllm.spec_decode.config import SpeculativeConfig
 
         if self.load_format not in ("auto", "dummy"):

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mini_vllm.engine.llm_engine import _Step
+    from mini_vllm.engine.request_state import _Step
     from mini_vllm.outputs import RequestOutput
 
 

@@ -18,6 +18,11 @@ host's work overlaps the device's.
 A request with `n > 1` becomes `n` child requests (`"<id>#<i>"`) that share
 the prompt's cached blocks; their outputs are gathered back under the
 parent's id.
+
+Beside the loop: the state of requests and of a launched step
+(`engine/request_state.py`), recording tokens and making outputs
+(`engine/output_processor.py`), and requests held while their grammar
+compiles (`engine/structured_outputs.py`, chapter 18).
 """
 
 from __future__ import annotations
@@ -25,10 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
 
 import torch
 
@@ -36,87 +38,32 @@ from mini_vllm.config import EngineArgs, EngineConfig
 from mini_vllm.distributed.executor import Executor, WorkerDiedError
 from mini_vllm.engine.async_scheduling import AsyncScheduling
 from mini_vllm.engine.input_processor import InputProcessor, ProcessedRequest
-from mini_vllm.engine.speculative import SpecRows, SpeculativeSteps
+from mini_vllm.engine.output_processor import OutputProcessing
+from mini_vllm.engine.request_state import (
+    _Completion,
+    _depends_on_tokens,
+    _Group,
+    _LogprobRows,
+    _Step,
+)
+from mini_vllm.engine.speculative import SpeculativeSteps
+from mini_vllm.engine.structured_outputs import StructuredOutputSteps
 from mini_vllm.kv_cache import KVCacheManager
-from mini_vllm.model_runner import BatchEntry, HostCopy, ModelRunner
-from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from mini_vllm.sampler import Sampler, SamplingMetadata, SamplingRequest, make_generator
+from mini_vllm.model_runner import BatchEntry, ModelRunner
+from mini_vllm.outputs import RequestOutput
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
-from mini_vllm.scheduler import Scheduler, SchedulerOutput
-from mini_vllm.sequence import Request, RequestStatus
+from mini_vllm.scheduler import Scheduler
+from mini_vllm.scheduler_output import SchedulerOutput
+from mini_vllm.sequence import Request
 from mini_vllm.stop_checker import StopChecker
-from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
-
-if TYPE_CHECKING:
-    from mini_vllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from mini_vllm.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-# How long an engine with nothing else to do waits for a grammar to compile
-# before it looks at its commands again (seconds).
-GRAMMAR_POLL_S = 0.01
 
-_STATUS_OF_REASON = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-}
-
-
-# --8<-- [start:state]
-@dataclass
-class _Completion:
-    """Engine-side state of one child request (one of the `n` completions)."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopChecker
-    generator: torch.Generator | None
-    noise_key: int | None  # an unseeded completion's key for the fused GPU sampler's noise
-    # Detokenized once, when it ends, not token by token (see _detokenizes_at_end).
-    text_at_end: bool
-    # What is new since the last output of this completion.
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    reported_finish: bool = False
-    # Structured outputs (chapter 18): the completion's matcher, and whether its
-    # reasoning is over (the grammar constrains only what comes after it).
-    grammar: StructuredOutputGrammar | None = None
-    reasoning_ended: bool = True
-
-    def take_delta(self) -> CompletionOutput:
-        out = CompletionOutput(self.index, self.text, self.token_ids, self.logprobs,
-                               self.finish_reason, self.stop_reason)
-        self.text, self.token_ids = "", []
-        self.logprobs = [] if self.logprobs is not None else None
-        self.reported_finish = self.finish_reason is not None
-        return out
-
-
-@dataclass
-class _Group:
-    """A user request: its prompt and its `n` completions."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    completions: list[_Completion]
-    arrival_time: float
-    final_only: bool = False  # RequestOutputKind.FINAL_ONLY: no output until it finishes
-    first_token_time: float | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
-# --8<-- [end:state]
-
-
-class LLMEngine(AsyncScheduling, SpeculativeSteps):
+class LLMEngine(OutputProcessing, StructuredOutputSteps, AsyncScheduling, SpeculativeSteps):
     """Scheduler + model runner + sampler + detokenizer, one `step()` at a time.
 
     Not thread-safe: one thread drives it (`LLM` directly, `AsyncLLM` from its
@@ -211,10 +158,6 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             self.structured_output_manager.compile(req.params.structured_outputs)
         self.add_processed_request(req)
 
-    @property
-    def structured_output_manager(self) -> StructuredOutputManager:
-        """The grammar compiler (shared with `AsyncLLM` in thread mode)."""
-        return self.input_processor.structured_output_manager
 
     # --8<-- [start:add_request]
     def add_processed_request(self, req: ProcessedRequest) -> None:
@@ -281,61 +224,6 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
             self.scheduler.abort_requests(added)
             raise
     # --8<-- [end:add_request]
-
-    # --8<-- [start:attach_grammars]
-    def _attach_grammars(self, group: _Group, compiled: object) -> None:
-        """Give each completion of a group its own matcher over the compiled grammar.
-
-        The matcher ends where EOS or one of the request's stop tokens may come.
-        With a reasoning parser, a prompt after which the model reasons first
-        (Qwen3 with thinking on) leaves the grammar waiting for `</think>`.
-        """
-        params = group.completions[0].request.sampling_params
-        stops = [*self.eos_token_ids, *params.stop_token_ids]
-        reasoning = (self.reasoning_parser is not None
-                     and self.reasoning_parser.starts_in_reasoning(group.prompt_token_ids))
-        for c in group.completions:
-            c.grammar = self.structured_output_manager.new_grammar(compiled, stops)
-            c.reasoning_ended = not reasoning
-            if c.grammar.vocab_size != self.vocab_size:
-                raise ValueError(f"structured_outputs: the grammar covers {c.grammar.vocab_size} "
-                                 f"token ids, the model {self.vocab_size}")
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the held requests whose grammar has compiled; fail those whose
-        grammar did not (invalid, or over the time bound).
-
-        With nothing else to run, it waits a little for the first compile to end,
-        so an idle engine does not spin (and still sees new commands promptly).
-        """
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-            wait_futures(list(self._compiling.values()), timeout=GRAMMAR_POLL_S,
-                         return_when=FIRST_COMPLETED)
-        outputs = []
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
-            group = self._groups[request_id]
-            try:
-                self._attach_grammars(group, future.result())
-                self._schedule_group(group)
-            except ValueError as e:
-                for c in group.completions:
-                    c.finish_reason = "error"
-                group.error = str(e)
-                self.stats["num_requests_failed"] += 1
-                outputs.append(self._make_output(group))
-        return outputs
-    # --8<-- [end:attach_grammars]
-
-    # --8<-- [start:detokenizes_at_end]
-    def _detokenizes_at_end(self, params: SamplingParams) -> bool:
-        """Whether a completion's text is decoded once, when it finishes, instead of
-        token by token: when nobody reads it before (FINAL_ONLY) and no stop string
-        has to be matched on it. Its final text is the same either way."""
-        return params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
-    # --8<-- [end:detokenizes_at_end]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._in_flight is not None
@@ -488,151 +376,6 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         return [self._make_output(g) for g in touched.values()]
     # --8<-- [end:process]
 
-    # --8<-- [start:append_token]
-    def _record_token(
-        self, c: _Completion, token_id: int, num_output: int, logprobs: _LogprobRows | None,
-        row: int,
-    ) -> None:
-        """Advance the completion's grammar, detokenize the token (or leave that to
-        the end), check the stop rules, finish the request if done."""
-        req, checker = c.request, c.stop_checker
-        if c.grammar is not None and not self._advance_grammar(c, token_id):
-            return
-        if c.text_at_end:  # the rules on token ids alone; the text comes at the end
-            finished = checker.check_token(token_id, num_output)
-        else:
-            piece = c.detokenizer.add_token(token_id)
-            c.text += checker.process(token_id, piece, num_output).emit_text
-            finished = checker.finish_reason is not None
-        c.token_ids.append(token_id)
-        if c.logprobs is not None and logprobs is not None:
-            c.logprobs.append(logprobs.row(row, req.sampling_params.logprobs, self.tokenizer))
-        if not finished and req.num_prompt_tokens + num_output >= self.max_model_len:
-            c.text += checker.finish("length").emit_text  # the context is full
-            finished = True
-        if finished:
-            self._finish_completion(c)
-    # --8<-- [end:append_token]
-
-    # --8<-- [start:advance_grammar]
-    def _advance_grammar(self, c: _Completion, token_id: int) -> bool:
-        """Move a constrained completion's matcher past its new token.
-
-        During the reasoning only the end of the reasoning is looked for; the
-        grammar applies from the next token on. The sampler drew the token
-        under this matcher's mask, so a refusal is a bug: the request fails
-        (False) rather than return text its grammar does not allow.
-        """
-        grammar = c.grammar
-        if not c.reasoning_ended:
-            c.reasoning_ended = token_id == self.reasoning_parser.reasoning_end_token_id
-            return True
-        if grammar.is_terminated():  # it accepted a stop token (and ignore_eos went on)
-            return True
-        if grammar.accept_token(token_id):
-            self.stats["structured_output_tokens_total"] += 1
-            return True
-        logger.error("request %s: its grammar refused sampled token %d",
-                     c.request.request_id, token_id)
-        group = self._children[c.request.request_id][0]
-        self._fail_group(group, f"the sampled token {token_id} broke the request's grammar")
-        return False
-    # --8<-- [end:advance_grammar]
-
-    # --8<-- [start:finish_completion]
-    def _finish_completion(self, c: _Completion) -> None:
-        """Complete a finished completion's text, record why it ended, free its blocks."""
-        checker = c.stop_checker
-        if c.text_at_end:
-            c.text = self._text_at_end(c, flush=True)
-        elif not isinstance(checker.stop_reason, str):
-            # Bytes of a character the generation stopped in the middle of.
-            c.text += c.detokenizer.flush()
-        c.finish_reason, c.stop_reason = checker.finish_reason, checker.stop_reason
-        self.scheduler.finish_request(c.request.request_id, _STATUS_OF_REASON[c.finish_reason])
-
-    def _text_at_end(self, c: _Completion, flush: bool) -> str:
-        """The whole text of a completion detokenized at the end, as the token-by-token
-        path gives it (`flush` False: aborted or failed, held-back bytes not released)."""
-        ids = c.request.output_token_ids[:c.stop_checker.num_output_tokens]
-        return c.detokenizer.final_text(ids, drop_last=c.stop_checker.dropped_stop_token_text,
-                                        flush=flush)
-    # --8<-- [end:finish_completion]
-
-    # --8<-- [start:make_output]
-    def _make_output(self, group: _Group) -> RequestOutput:
-        deltas = [c.take_delta() for c in group.completions
-                  if c.token_ids or c.text or (c.finish_reason and not c.reported_finish)]
-        finished = group.finished
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        cached = max(c.request.num_cached_tokens for c in group.completions)
-        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, deltas,
-                            finished, num_cached_tokens=cached, error=group.error,
-                            metrics=metrics)
-        if finished:
-            metrics["finished_time"] = time.monotonic()
-            self._forget(group)
-            self.stats["num_requests_finished"] += 1
-            self.stats["prompt_tokens_total"] += len(group.prompt_token_ids)
-        return out
-    # --8<-- [end:make_output]
-
-    def _forget(self, group: _Group) -> None:
-        del self._groups[group.request_id]
-        for c in group.completions:
-            self._children.pop(c.request.request_id, None)
-
-    # --8<-- [start:abort]
-    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Abort requests (by the ids given to `add_request`) wherever they are.
-
-        Returns:
-            Their final outputs, with finish_reason "abort".
-        """
-        outputs = []
-        for rid in request_ids:
-            group = self._groups.get(rid)
-            if group is None:
-                continue
-            self._compiling.pop(rid, None)  # held while its grammar compiles
-            live = [c for c in group.completions if c.finish_reason is None]
-            self.scheduler.abort_requests([c.request.request_id for c in live])
-            for c in live:
-                c.text += c.stop_checker.finish("abort").emit_text
-                if c.text_at_end:
-                    c.text = self._text_at_end(c, flush=False)
-                c.finish_reason = "abort"
-            outputs.append(self._make_output(group))
-        return outputs
-    # --8<-- [end:abort]
-
-    # --8<-- [start:fail]
-    def _fail(self, child_ids: list[str], error: str) -> list[RequestOutput]:
-        groups = {self._children[cid][0].request_id: self._children[cid][0] for cid in child_ids}
-        outputs = []
-        for group in groups.values():
-            self._fail_group(group, error)
-            outputs.append(self._make_output(group))
-        return outputs
-
-    def _fail_group(self, group: _Group, error: str) -> None:
-        """End every unfinished completion of a group with "error" (no output made)."""
-        for c in group.completions:
-            if c.finish_reason is None:
-                # FINISHED_ERROR also drops the prefix cache: blocks this
-                # step filled may hold garbage.
-                self.scheduler.finish_request(c.request.request_id,
-                                              RequestStatus.FINISHED_ERROR)
-        for c in group.completions:
-            if c.finish_reason is None and c.text_at_end:
-                c.text = self._text_at_end(c, flush=False)
-            c.finish_reason = c.finish_reason or "error"
-        group.error = f"the engine failed while computing this request: {error}"
-        self.stats["num_requests_failed"] += 1
-    # --8<-- [end:fail]
-
     def shutdown(self) -> None:
         """Release what the engine started: a tensor-parallel engine's workers (no-op
         otherwise). The engine cannot step afterwards."""
@@ -648,55 +391,6 @@ class LLMEngine(AsyncScheduling, SpeculativeSteps):
         if self.spec_stats is not None:
             stats.update(self.spec_stats.as_dict())
         return stats
-
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return (p.presence_penalty != 0 or p.frequency_penalty != 0
-            or (p.repetition_penalty is not None and p.repetition_penalty != 1))
-
-
-def _depends_on_tokens(c: _Completion) -> bool:
-    """Whether a completion's next sampling depends on the values of its tokens so far:
-    penalties count them, a grammar's mask and a bad word's ban follow them."""
-    p = c.request.sampling_params
-    return (_uses_penalties(p) or bool(p.bad_words_token_ids)
-            or (c.grammar is not None and not c.grammar.is_terminated()))
-
-
-class _LogprobRows:
-    """The sampler's logprob tensors on the host, read row by row."""
-
-    def __init__(self, ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) -> None:
-        self.ids, self.values, self.ranks = ids.tolist(), values.tolist(), ranks.tolist()
-
-    def row(self, i: int, n: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
-        """The sampled token's logprob and the top `n`, as `{token_id: Logprob}`."""
-        ids, values = self.ids[i], self.values[i]
-        entry = {ids[0]: Logprob(values[0], self.ranks[i], tokenizer.decode([ids[0]]))}
-        for rank, (tid, lp) in enumerate(zip(ids[1:1 + n], values[1:1 + n]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
-        return entry
-
-
-
-
-# --8<-- [start:launched_step]
-@dataclass
-class _Step:
-    """A launched step: who sampled (and where their placeholder is), and the results."""
-
-    rows: list[tuple[_Group, _Completion, int]]  # (group, completion, output index)
-    host: HostCopy  # the sampled ids (and logprobs) on their way to the host
-    row_of: dict[str, int]  # child request id -> row of `sampled`
-    sampled: torch.Tensor | None  # [rows] on the device, read by the next step
-    # A row will speculate: read it back before the next schedule.
-    needs_values: bool
-    decode_only: bool = False  # every sequence decoded one token (statistics)
-    spec: SpecRows | None = None  # a speculative step: several tokens a row
-    # A row's next sampling depends on its tokens' values (penalties, a grammar,
-    # bad words): read it back before the next step's sampler.
-    sampler_needs_values: bool = False
-# --8<-- [end:launched_step]
 
 
 def make_model_runner(engine_config: EngineConfig) -> ModelRunner | Executor:

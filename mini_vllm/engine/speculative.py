@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mini_vllm.sampler import SamplingMetadata
+from mini_vllm.engine.request_state import _Step
+from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.spec_decode.metrics import SpecDecodingStats
 from mini_vllm.spec_decode.ngram_proposer import NgramProposer
 from mini_vllm.spec_decode.policy import SpeculationPolicy
@@ -44,9 +45,9 @@ if TYPE_CHECKING:
     import torch
 
     from mini_vllm.config import EngineConfig
-    from mini_vllm.engine.llm_engine import _Completion, _Group, _Step
+    from mini_vllm.engine.request_state import _Completion, _Group
     from mini_vllm.outputs import RequestOutput
-    from mini_vllm.scheduler import SchedulerOutput
+    from mini_vllm.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ class SpeculativeSteps:
         `before_sampling` as for `_launch`: called once the verifying forward is
         queued (rows that do not speculate may need the previous step's tokens).
         """
-        from mini_vllm.engine.llm_engine import _Step
-
         start = time.perf_counter()
         entries = self._batch_entries(sched, prev)
         rows = [(i, *self._children[s.request_id]) for i, s in enumerate(sched.scheduled)

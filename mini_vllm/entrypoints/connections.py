@@ -35,7 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from mini_vllm.entrypoints.admission import RETRY_AFTER_S
-from mini_vllm.entrypoints.serving_engine import error_json
+from mini_vllm.entrypoints.errors import error_json
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mini_vllm.entrypoints.serving_engine import error_json, internal_error_message
+from mini_vllm.entrypoints.errors import error_json, internal_error_message
 
 logger = logging.getLogger(__name__)
 

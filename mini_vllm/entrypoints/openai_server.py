@@ -45,6 +45,12 @@ from mini_vllm.entrypoints.connections import (
     RateLimitedLog,
     rate_limited_exception_handler,
 )
+from mini_vllm.entrypoints.errors import (
+    ClientDisconnected,
+    OpenAIError,
+    error_from_exception,
+    error_json,
+)
 from mini_vllm.entrypoints.metrics import ServerMetrics
 from mini_vllm.entrypoints.middleware import (
     ApiKeyMiddleware,
@@ -53,24 +59,15 @@ from mini_vllm.entrypoints.middleware import (
 )
 from mini_vllm.entrypoints.protocol import (
     PROMPT_FORMS,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelList,
 )
+from mini_vllm.entrypoints.protocol_chat import ChatCompletionRequest, ChatCompletionResponse
 from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
-from mini_vllm.entrypoints.serving_engine import (
-    ClientDisconnected,
-    OpenAIError,
-    OpenAIServing,
-    ServingContext,
-    error_from_exception,
-    error_json,
-    request_id_of,
-)
+from mini_vllm.entrypoints.serving_engine import OpenAIServing, ServingContext, request_id_of
 
 logger = logging.getLogger(__name__)
 

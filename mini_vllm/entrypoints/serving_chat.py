@@ -29,8 +29,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mini_vllm.delta import DeltaMessage as ParsedDelta
+from mini_vllm.entrypoints.errors import OpenAIError, ServerShuttingDown
 from mini_vllm.entrypoints.output_parsers import ChoiceParser, ParsedMessage
-from mini_vllm.entrypoints.protocol import (
+from mini_vllm.entrypoints.protocol import UsageInfo, random_id
+from mini_vllm.entrypoints.protocol_chat import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -43,13 +45,9 @@ from mini_vllm.entrypoints.protocol import (
     FunctionCall,
     ToolCall,
     TopLogprob,
-    UsageInfo,
-    random_id,
 )
 from mini_vllm.entrypoints.serving_engine import (
-    OpenAIError,
     OpenAIServing,
-    ServerShuttingDown,
     request_id_of,
     sse_stream,
     token_text,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mini_vllm.entrypoints.errors import OpenAIError, ServerShuttingDown
 from mini_vllm.entrypoints.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -28,9 +29,7 @@ from mini_vllm.entrypoints.protocol import (
     random_id,
 )
 from mini_vllm.entrypoints.serving_engine import (
-    OpenAIError,
     OpenAIServing,
-    ServerShuttingDown,
     request_id_of,
     sse_stream,
     token_text,

@@ -20,9 +20,8 @@ import torch
 
 from mini_vllm import ops
 from mini_vllm.ops.sampling import kernel_fits, splitmix64
-from mini_vllm.sampler import (
-    Sampler,
-    SamplerOutput,
+from mini_vllm.sampler import Sampler, SamplerOutput
+from mini_vllm.sampling_metadata import (
     SamplingMetadata,
     SamplingRequest,
     _to_device,

@@ -38,7 +38,8 @@ import torch
 
 from mini_vllm.config import EngineConfig
 from mini_vllm.model_runner import BatchEntry, ModelRunner
-from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.sequence import PLACEHOLDER_TOKEN_ID, Request
 from mini_vllm.spec_decode.proposer import ProposalRequest, Proposals
 from mini_vllm.spec_decode.rejection_sampler import exponential_noise, sampling_probs

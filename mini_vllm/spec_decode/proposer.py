@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mini_vllm.sampler import SamplingRequest
+from mini_vllm.sampling_metadata import SamplingRequest
 from mini_vllm.sequence import Request
 
 

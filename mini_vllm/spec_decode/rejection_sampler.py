@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mini_vllm.sampler import Sampler, SamplingMetadata, _to_device
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata, _to_device
 
 # Past a sequence's last emitted token, `output_token_ids` holds this.
 PLACEHOLDER_TOKEN_ID = -1

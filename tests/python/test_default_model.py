@@ -26,15 +26,9 @@ import torch
 from safetensors import safe_open
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.checkpoint import (
-    DEFAULT_MODEL_DIR,
-    TOKENIZER_FILE,
-    cover_vocabulary,
-    make_model,
-    resolve_model_dir,
-    weight_shapes,
-)
+from mini_vllm.checkpoint import TOKENIZER_FILE, cover_vocabulary, make_model, weight_shapes
 from mini_vllm.config import EngineArgs
+from mini_vllm.model_dir import DEFAULT_MODEL_DIR, resolve_model_dir
 from mini_vllm.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.default_model

@@ -690,7 +690,7 @@ def test_sample_tokens_is_a_function_of_each_rows_seed():
 @pytest.mark.gpu
 def test_sampler_on_gpu_keeps_seeds_independent_of_the_batch():
     from mini_vllm.gpu.sampler import FusedSampler, FusedSamplingMetadata
-    from mini_vllm.sampler import make_generator
+    from mini_vllm.sampling_metadata import make_generator
     from mini_vllm.sampling_params import SamplingParams
 
     logits = torch.randn(5, 1000, device="cuda", dtype=torch.bfloat16)

@@ -17,15 +17,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
 
-from mini_vllm.checkpoint import (
-    DEFAULT_MODEL_DIR,
-    PRESETS,
-    TOKENIZER_FILE,
-    make_model,
-    resolve_model_dir,
-    weight_shapes,
-)
+from mini_vllm.checkpoint import PRESETS, TOKENIZER_FILE, make_model, weight_shapes
 from mini_vllm.model_config import ModelConfig
+from mini_vllm.model_dir import DEFAULT_MODEL_DIR, resolve_model_dir
 from mini_vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.phase1

@@ -18,7 +18,8 @@ import torch
 from mini_vllm.config import SchedulerConfig
 from mini_vllm.kv_cache import KVCacheManager, compute_slot_mapping
 from mini_vllm.sampling_params import SamplingParams
-from mini_vllm.scheduler import Scheduler, SchedulerOutput
+from mini_vllm.scheduler import Scheduler
+from mini_vllm.scheduler_output import SchedulerOutput
 from mini_vllm.sequence import Request, RequestStatus
 
 pytestmark = pytest.mark.phase4

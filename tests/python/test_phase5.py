@@ -8,12 +8,8 @@ import random
 import pytest
 import torch
 
-from mini_vllm.sampler import (
-    Sampler,
-    SamplingMetadata,
-    SamplingRequest,
-    make_generator,
-)
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import OPENAI_DEFAULTS, SamplingParams
 from mini_vllm.stop_checker import StopChecker
 

@@ -26,7 +26,7 @@ import torch
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.checkpoint import PRESETS
 from mini_vllm.config import EngineArgs, EngineConfig
-from mini_vllm.engine import llm_engine
+from mini_vllm.engine import llm_engine, request_state
 from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from mini_vllm.engine.core_process import decode_outputs, encode_outputs
 from mini_vllm.engine.heap import heap_frozen
@@ -605,7 +605,7 @@ def _feed(engine: LLMEngine, tokens: dict[str, list[list[int]]],
         if not rows:
             return results
         host = HostCopy([torch.tensor(sampled)])
-        collect(engine._process(llm_engine._Step(rows, host, {}, None, False)))
+        collect(engine._process(request_state._Step(rows, host, {}, None, False)))
 
 
 def test_text_decoded_at_end_equals_the_streamed_text(tok, tiny_model_dir) -> None:

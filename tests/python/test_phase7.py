@@ -32,9 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mini_vllm
 from mini_vllm import cli
-from mini_vllm.cli import build_parser, main
+from mini_vllm.cli import main
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
+from mini_vllm.entrypoints.cli_args import build_parser
 from mini_vllm.entrypoints.openai_server import build_app, make_server
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 

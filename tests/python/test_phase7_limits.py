@@ -37,11 +37,12 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from mini_vllm import cli
-from mini_vllm.cli import build_parser, frontend_args_from, main
+from mini_vllm.cli import main
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM
 from mini_vllm.entrypoints.admission import Admission, FairGate, split_units
 from mini_vllm.entrypoints.args import FrontendArgs
+from mini_vllm.entrypoints.cli_args import build_parser, frontend_args_from
 from mini_vllm.entrypoints.connections import (
     RESERVED_DESCRIPTORS,
     RateLimitedLog,

@@ -28,7 +28,8 @@ from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.kv_cache.block_hash import extend_block_hashes
 from mini_vllm.model_runner import BatchEntry, ModelRunner, logits_rows
-from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata
 from mini_vllm.scheduler import Scheduler
 from mini_vllm.sequence import Request
 from mini_vllm.spec_decode.config import SpeculativeConfig
@@ -173,7 +174,8 @@ def test_speculative_config_is_validated_naming_the_field(tiny_model_dir: Path,
 
 
 def test_cli_has_the_speculative_config_flag() -> None:
-    from mini_vllm.cli import build_parser  # (the server's packages: not on every GPU box)
+    # (the server's packages: not on every GPU box)
+    from mini_vllm.entrypoints.cli_args import build_parser
 
     ns = build_parser().parse_args(
         ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])

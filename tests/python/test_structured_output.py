@@ -23,7 +23,8 @@ import torch
 import xgrammar as xgr
 
 from mini_vllm.reasoning import Qwen3ReasoningParser
-from mini_vllm.sampler import Sampler, SamplingMetadata, SamplingRequest, make_generator
+from mini_vllm.sampler import Sampler
+from mini_vllm.sampling_metadata import SamplingMetadata, SamplingRequest, make_generator
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.structured_output import (
     GrammarCompileTimeout,
