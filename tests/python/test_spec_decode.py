@@ -22,11 +22,12 @@ import pytest
 import torch
 
 from mini_vllm import LLM, SamplingParams
-from mini_vllm.checkpoint import default_model_dir, make_model
+from mini_vllm.checkpoint import make_model
 from mini_vllm.config import EngineArgs, SchedulerConfig
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.kv_cache import KVCacheManager
 from mini_vllm.kv_cache.block_hash import extend_block_hashes
+from mini_vllm.model_dir import default_model_dir
 from mini_vllm.model_runner import BatchEntry, ModelRunner, logits_rows
 from mini_vllm.sampler import Sampler
 from mini_vllm.sampling_metadata import SamplingMetadata
@@ -799,10 +800,22 @@ def test_benchmark_smoke_run_and_its_figures(tmp_path: Path) -> None:
     assert report["real_pair"]["status"] == "skipped"
     assert [c["check"] for c in report["bar"]] == [
         "tiny batch 2, a proposer that misses (adaptive): >= 0.95x"]
+    # The real-pair mode alone, on the shipped pair.
+    real = bench.main(["--presets", "--device", "cpu", "--output-len", "6",
+                       "--target-model", str(default_model_dir()),
+                       "--draft-model", str(default_model_dir().parent / "default_draft"),
+                       "--output", str(tmp_path / "spec_decode_real.json")])
+    assert real["results"] == {} and real["real_pair"]["status"] == "ok", real["real_pair"]
+    runs = real["real_pair"]["runs"]
+    assert len(runs) == 8 and all(x["identical_to_plain"] for x in runs
+                                  if x["temperature"] == 0)
+    assert all(x["num_target_forwards"] < x["num_tokens"] for x in runs if x["speculative"])
     figures = _load_script(repo / "scripts" / "figures.py")
-    for name in ("spec-sweep", "spec-bar", "spec-ngram", "spec-draft", "spec-real"):
+    for name, file in [("spec-sweep", "spec_decode.json"), ("spec-bar", "spec_decode.json"),
+                       ("spec-ngram", "spec_decode.json"), ("spec-draft", "spec_decode.json"),
+                       ("spec-real", "spec_decode_real.json")]:
         text = figures.render(name, [], tmp_path)
-        assert "Not measured" not in text and "spec_decode.json" in text, (name, text)
+        assert "Not measured" not in text and file in text, (name, text)
     assert "| tiny | 2 |" in figures.render("spec-sweep", [], tmp_path)
     assert "Not measured yet" in figures.render("spec-sweep", [], tmp_path / "empty")
 
