@@ -120,15 +120,20 @@ class AsyncLLM:
         self.engine: LLMEngine | None = None
         self.core_process: EngineCoreProcess | None = None
         if engine_config.engine_process:
-            from mini_vllm.engine.core_process import EngineCoreProcess  # (it imports this module)
+            # (core_process imports this module)
+            from mini_vllm.engine.core_process import (
+                EngineCoreProcess,
+                forward_commands,
+                receive_outputs,
+            )
 
             self.processor = InputProcessor(engine_config)  # validation stays in this process
             self.core_process = EngineCoreProcess(engine_config, engine_cls)
             self._stats = self.core_process.stats
-            self._input_thread = threading.Thread(target=self._forward_commands,
+            self._input_thread = threading.Thread(target=forward_commands, args=(self,),
                                                   name="mini-vllm-input", daemon=True)
             self._input_thread.start()
-            self._thread = threading.Thread(target=self._receive_outputs,
+            self._thread = threading.Thread(target=receive_outputs, args=(self,),
                                             name="mini-vllm-output", daemon=True)
         else:
             self.engine = engine_cls(engine_config)
@@ -381,64 +386,6 @@ class AsyncLLM:
             if isinstance(cmd, _Add):
                 cmd.stream.put(error)
     # --8<-- [end:fail_all]
-
-    # ---- process mode: the input and output threads (phase 9) ----------------------
-    # --8<-- [start:front]
-    def _forward_commands(self) -> None:
-        """Input thread: register each new request's stream, send every command on.
-
-        A thread of its own, so that a full pipe (the engine process in the
-        middle of a long step) never blocks an event loop.
-        """
-        while True:
-            cmd = self._commands.get()
-            if isinstance(cmd, _Add):
-                if not self._register(cmd.request.request_id, cmd.stream):
-                    continue
-                cmd = _Add(cmd.request, None)  # the stream stays in this process
-            elif isinstance(cmd, _Shutdown):  # like the engine thread's _abort_all
-                self.core_process.send(_Abort(self._live_request_ids()))
-            self.core_process.send(cmd)
-            if isinstance(cmd, _Shutdown):
-                return
-
-    def _receive_outputs(self) -> None:
-        """Output thread: deliver what the engine process sends, until it exits."""
-        try:
-            while True:
-                messages = [self.core_process.recv()]  # blocks, the GIL released
-                # Whatever else arrived while this thread waited for the GIL is
-                # handled in the same turn, its steps in one hand-off: behind a
-                # busy event loop, one message per GIL turn would fall behind.
-                while self.core_process.ready():
-                    messages.append(self.core_process.recv())
-                outputs: list[RequestOutput] = []
-                for kind, *body in messages:
-                    if kind == "outputs":
-                        outputs += body[0]
-                        if body[1] is not None:
-                            self._stats = body[1]
-                        continue
-                    self._dispatch(outputs)  # keep the order of what came before
-                    outputs = []
-                    if kind == "refused":
-                        request_id, message = body
-                        self._refuse(request_id, ValueError(message))
-                    else:  # "error": its loop died, and the process is exiting
-                        self.dead_error = body[0]
-                        self._fail_all(EngineDeadError(self._dead_message()))
-                self._dispatch(outputs)
-        except EOFError:  # the engine process has exited
-            pass
-        except BaseException as e:  # a bug here must not leave streams waiting
-            logger.exception("the engine output thread died")
-            self.dead_error = self.dead_error or e
-        if self.dead_error is None and not self._shutting_down:
-            code = self.core_process.join(timeout=5)
-            self.dead_error = RuntimeError(
-                f"the engine process exited unexpectedly (exit code {code})")
-        self._fail_all(EngineDeadError(self._dead_message()))
-    # --8<-- [end:front]
 
     def _dead_message(self) -> str:
         if self.dead_error is not None:

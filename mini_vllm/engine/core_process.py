@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from mini_vllm.config import EngineConfig
-from mini_vllm.engine.async_engine import AsyncLLM, _Abort, _Add, _Shutdown
+from mini_vllm.engine.async_engine import AsyncLLM, EngineDeadError, _Abort, _Add, _Shutdown
 from mini_vllm.engine.heap import freeze_heap
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -173,6 +173,66 @@ class _EngineCore:
         if outputs or stats is not None:
             self.outputs.send(("outputs", encode_outputs(outputs), stats))
 # --8<-- [end:child]
+
+
+# ---- the front's two threads, in the server process ------------------------------
+# --8<-- [start:front]
+def forward_commands(llm: AsyncLLM) -> None:
+    """Input thread: register each new request's stream, send every command on.
+
+    A thread of its own, so that a full pipe (the engine process in the
+    middle of a long step) never blocks an event loop.
+    """
+    while True:
+        cmd = llm._commands.get()
+        if isinstance(cmd, _Add):
+            if not llm._register(cmd.request.request_id, cmd.stream):
+                continue
+            cmd = _Add(cmd.request, None)  # the stream stays in this process
+        elif isinstance(cmd, _Shutdown):  # like the engine thread's _abort_all
+            llm.core_process.send(_Abort(llm._live_request_ids()))
+        llm.core_process.send(cmd)
+        if isinstance(cmd, _Shutdown):
+            return
+
+
+def receive_outputs(llm: AsyncLLM) -> None:
+    """Output thread: deliver what the engine process sends, until it exits."""
+    try:
+        while True:
+            messages = [llm.core_process.recv()]  # blocks, the GIL released
+            # Whatever else arrived while this thread waited for the GIL is
+            # handled in the same turn, its steps in one hand-off: behind a
+            # busy event loop, one message per GIL turn would fall behind.
+            while llm.core_process.ready():
+                messages.append(llm.core_process.recv())
+            outputs: list[RequestOutput] = []
+            for kind, *body in messages:
+                if kind == "outputs":
+                    outputs += body[0]
+                    if body[1] is not None:
+                        llm._stats = body[1]
+                    continue
+                llm._dispatch(outputs)  # keep the order of what came before
+                outputs = []
+                if kind == "refused":
+                    request_id, message = body
+                    llm._refuse(request_id, ValueError(message))
+                else:  # "error": its loop died, and the process is exiting
+                    llm.dead_error = body[0]
+                    llm._fail_all(EngineDeadError(llm._dead_message()))
+            llm._dispatch(outputs)
+    except EOFError:  # the engine process has exited
+        pass
+    except BaseException as e:  # a bug here must not leave streams waiting
+        logger.exception("the engine output thread died")
+        llm.dead_error = llm.dead_error or e
+    if llm.dead_error is None and not llm._shutting_down:
+        code = llm.core_process.join(timeout=5)
+        llm.dead_error = RuntimeError(
+            f"the engine process exited unexpectedly (exit code {code})")
+    llm._fail_all(EngineDeadError(llm._dead_message()))
+# --8<-- [end:front]
 
 
 def _enlarge_pipe(conn: Connection, size: int = 1 << 20) -> None:
