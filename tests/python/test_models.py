@@ -23,8 +23,7 @@ import httpx
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_phase2 import Blocks, all_logits, hf_greedy, hf_logits, random_prompts
 from test_phase9_gpu import hf_logits_of_mixed_steps, run_mixed_steps
 
@@ -265,8 +264,7 @@ def test_gpt2_conv1d_weights_are_transposed_and_unprefixed_checkpoints_load(
         family_dirs, tmp_path: Path) -> None:
     model_dir = family_dir(family_dirs, "tiny-gpt2")
     model = load_model(model_dir)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors = load_file(model_dir / "model.safetensors")
     stored = tensors["transformer.h.1.attn.c_attn.weight"]  # [in, out]
     assert stored.shape == (64, 192)
     assert torch.equal(model.transformer.h[1].attn.c_attn.weight, stored.t())
@@ -286,8 +284,7 @@ def test_experts_fill_the_stacked_weights_and_a_missing_one_is_named(
         family_dirs, tmp_path: Path) -> None:
     model_dir = family_dir(family_dirs, "tiny-qwen3-moe")
     model = load_model(model_dir)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors = load_file(model_dir / "model.safetensors")
     experts = model.model.layers[2].mlp.experts
     p = "model.layers.2.mlp.experts.5"
     assert torch.equal(experts.w13[5, :32], tensors[f"{p}.gate_proj.weight"])
