@@ -23,6 +23,7 @@ STAGES="${STAGES:-env build tests moe bench summary}"
 SHAPES="${SHAPES:-qwen3-8b llama3-8b qwen2.5-7b mistral-7b gpt2-xl qwen3-30b-a3b}"
 PY="${PYTHON:-python3}"
 
+source scripts/gpu_env.sh
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if stage env; then
@@ -32,13 +33,7 @@ if stage env; then
   } 2>&1 | tee "$OUT/env.txt"
 fi
 if stage build; then
-  if "$PY" -c 'import mini_vllm._C' 2>/dev/null; then
-    echo "kernels: mini_vllm._C imports, not rebuilt"
-  else
-    start=$(date +%s)
-    CUDA_ARCHS="${CUDA_ARCHS:-90}" PYTHON="$PY" bash scripts/build_kernels.sh > "$OUT/build.log" 2>&1
-    echo "build rc=$? in $(( $(date +%s) - start )) s"; tail -2 "$OUT/build.log"
-  fi
+  build_kernels_unless_built
 fi
 if stage tests; then
   timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout 240 -m gpu \

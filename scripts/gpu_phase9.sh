@@ -17,6 +17,7 @@ BENCH="${BENCH:-step_profile throughput latency}"
 BACKENDS="${BACKENDS:-mini-vllm transformers}"
 PY="${PYTHON:-python3}"
 
+source scripts/gpu_env.sh
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 bench() { [[ " $BENCH " == *" $1 "* ]]; }
 
@@ -26,13 +27,7 @@ if stage env; then
   } 2>&1 | tee "$OUT/env.txt"
 fi
 if stage build; then
-  if "$PY" -c 'import mini_vllm._C' 2>/dev/null; then
-    echo "kernels: mini_vllm._C imports, not rebuilt"
-  else
-    start=$(date +%s)
-    CUDA_ARCHS="${CUDA_ARCHS:-90}" PYTHON="$PY" bash scripts/build_kernels.sh > "$OUT/build.log" 2>&1
-    echo "build rc=$? in $(( $(date +%s) - start )) s"; tail -2 "$OUT/build.log"
-  fi
+  build_kernels_unless_built
 fi
 if stage tests; then
   timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider --timeout 200 -m gpu \

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_phase2 import Blocks, all_logits, hf_greedy, hf_logits, random_prompts
+from test_phase9_gpu import hf_logits_of_mixed_steps, run_mixed_steps
 
 from mini_vllm import LLM, SamplingParams, ops
 from mini_vllm.checkpoint import make_model
@@ -264,8 +264,7 @@ def test_gpt2_conv1d_weights_are_transposed_and_unprefixed_checkpoints_load(
         family_dirs, tmp_path: Path) -> None:
     model_dir = family_dir(family_dirs, "tiny-gpt2")
     model = load_model(model_dir)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors = load_file(model_dir / "model.safetensors")
     stored = tensors["transformer.h.1.attn.c_attn.weight"]  # [in, out]
     assert stored.shape == (64, 192)
     assert torch.equal(model.transformer.h[1].attn.c_attn.weight, stored.t())
@@ -285,8 +284,7 @@ def test_experts_fill_the_stacked_weights_and_a_missing_one_is_named(
         family_dirs, tmp_path: Path) -> None:
     model_dir = family_dir(family_dirs, "tiny-qwen3-moe")
     model = load_model(model_dir)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    tensors = load_file(model_dir / "model.safetensors")
     experts = model.model.layers[2].mlp.experts
     p = "model.layers.2.mlp.experts.5"
     assert torch.equal(experts.w13[5, :32], tensors[f"{p}.gate_proj.weight"])
@@ -700,29 +698,8 @@ def test_every_family_on_the_gpu_runner_matches_transformers_in_bfloat16(
         model_dir, dtype=torch.float32, attn_implementation="sdpa").to("cuda").eval()
     prompts = random_prompts([7, 33, 60, 45], runner.vocab_size, seed=3)
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]  # 128 tokens each
-    out1 = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables)]
-                          + [BatchEntry(prompts[3][:20], 0, tables[3], sample=False)])
-    seqs = [p + [int(tok)] for p, tok in zip(prompts[:3], out1.argmax(-1).tolist())]
-    seqs.append(list(prompts[3]))
-    out2 = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs[:3], tables)]
-                          + [BatchEntry(prompts[3][20:], 20, tables[3])])
-    for s, tok in zip(seqs, out2.argmax(-1).tolist()):
-        s.append(tok)
-    decodes = []
-    for _ in range(3):
-        out = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
-        decodes.append(out.clone())
-        for s, tok in zip(seqs, out.argmax(-1).tolist()):
-            s.append(tok)
-    with torch.inference_mode():
-        ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
-    n = [len(p) for p in prompts]
-    ours = torch.cat([out1, out2, *decodes])
-    want = torch.cat([
-        torch.stack([ref[i][n[i] - 1] for i in range(3)]),
-        torch.stack([ref[i][n[i]] for i in range(3)] + [ref[3][n[3] - 1]]),
-        *[torch.stack([ref[i][n[i] + k + (i < 3)] for i in range(4)]) for k in range(3)],
-    ])
+    ours, seqs = run_mixed_steps(runner, prompts, tables, chunk=20)
+    want = hf_logits_of_mixed_steps(hf, seqs, [len(p) for p in prompts])
     rel = (ours - want).norm(dim=-1) / want.norm(dim=-1)
     # bf16 through 3-4 layers on the CPU's reference path: 1-2 % typical, up to 4 % (YaRN's
     # mscale); a wrong table, bias or window is off by tens of percent.

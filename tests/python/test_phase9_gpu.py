@@ -616,6 +616,49 @@ def _hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
+def run_mixed_steps(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]],
+                    chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Five greedy steps of four sequences: what a GPU step meets, in one scenario.
+
+    Step 1: the first three prompts, and the first `chunk` tokens of the fourth
+    (no sample). Step 2: the fourth's other tokens (a prefix continuation) beside
+    decodes of the other three. Steps 3-5: decodes of all four (CUDA graphs on a GPU).
+
+    Returns:
+        The steps' logits, `[3 + 4 + 3 * 4, vocab]`, and each sequence's tokens
+        (its prompt and the greedy tokens drawn from those logits).
+    """
+    out1 = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables)]
+                          + [BatchEntry(prompts[3][:chunk], 0, tables[3], sample=False)])
+    seqs = [p + [int(tok)] for p, tok in zip(prompts[:3], out1.argmax(-1).tolist())]
+    seqs.append(list(prompts[3]))
+    out2 = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs[:3], tables)]
+                          + [BatchEntry(prompts[3][chunk:], chunk, tables[3])])
+    for s, tok in zip(seqs, out2.argmax(-1).tolist()):
+        s.append(tok)
+    decodes = []
+    for _ in range(3):
+        out = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
+        decodes.append(out.clone())
+        for s, tok in zip(seqs, out.argmax(-1).tolist()):
+            s.append(tok)
+    return torch.cat([out1, out2, *decodes]), seqs
+
+
+@torch.inference_mode()
+def hf_logits_of_mixed_steps(hf: torch.nn.Module, seqs: list[list[int]],
+                             prompt_lens: list[int]) -> torch.Tensor:
+    """Hugging Face's logits for the rows `run_mixed_steps` returns, in its order,
+    from one full forward of each finished sequence."""
+    ref = [hf(torch.tensor([s], device=hf.device)).logits[0].float() for s in seqs]
+    n = prompt_lens
+    return torch.cat([
+        torch.stack([ref[i][n[i] - 1] for i in range(3)]),  # step 1
+        torch.stack([ref[i][n[i]] for i in range(3)] + [ref[3][n[3] - 1]]),  # step 2
+        *[torch.stack([ref[i][n[i] + k + (i < 3)] for i in range(4)]) for k in range(3)],
+    ])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
@@ -639,33 +682,9 @@ def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
 
     prompts = random_prompts([7, 33, 120, 70], 10000, seed=3)
     tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(4)]  # 192 tokens each
-    # Step 1: three prompts + the first 40 tokens of the fourth. Step 2: its
-    # other 30 (a prefix continuation) beside decodes of the other three.
-    out1 = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables)]
-                          + [BatchEntry(prompts[3][:40], 0, tables[3], sample=False)])
-    seqs = [p + [int(tok)] for p, tok in zip(prompts[:3], out1.argmax(-1).tolist())]
-    seqs.append(list(prompts[3]))
-    out2 = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs[:3], tables)]
-                          + [BatchEntry(prompts[3][40:], 40, tables[3])])
-    for s, tok in zip(seqs, out2.argmax(-1).tolist()):
-        s.append(tok)
-    # Steps 3-5: decodes of all four (CUDA graphs).
-    decodes = []
-    for _ in range(3):
-        out = runner.execute([BatchEntry([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
-        decodes.append(out.clone())
-        for s, tok in zip(seqs, out.argmax(-1).tolist()):
-            s.append(tok)
-
-    with torch.inference_mode():
-        ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
-    n = [len(p) for p in prompts]
-    ours = torch.cat([out1, out2, *decodes])
-    want = torch.cat([
-        torch.stack([ref[i][n[i] - 1] for i in range(3)]),  # step 1
-        torch.stack([ref[i][n[i]] for i in range(3)] + [ref[3][n[3] - 1]]),  # step 2
-        *[torch.stack([ref[i][n[i] + k + (i < 3)] for i in range(4)]) for k in range(3)],
-    ])
+    # The fourth prompt in two chunks: 40 tokens, then its other 30 beside decodes.
+    ours, seqs = run_mixed_steps(runner, prompts, tables, chunk=40)
+    want = hf_logits_of_mixed_steps(hf, seqs, [len(p) for p in prompts])
     rel = (ours - want).norm(dim=-1) / want.norm(dim=-1)
     # bf16 weights and activations through 28 layers: about 1.5% here.
     assert rel.max().item() < 0.04, rel.tolist()
