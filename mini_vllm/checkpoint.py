@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +228,17 @@ def _plan_shards(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int,
 
 def write_weights(out_dir: Path, config: Mapping[str, Any], seed: int,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-    """Write random safetensors weights for `config`, one shard in memory at a time.
+    """Write random safetensors weights for `config`; returns the files (`write_sharded`)."""
+    dtype = resolve_dtype(config["torch_dtype"])
+    return write_sharded(out_dir, weight_shapes(config), dtype, max_shard_bytes,
+                         lambda name, shape: random_weight(name, shape, seed,
+                                                           config["hidden_size"], dtype))
+
+
+def write_sharded(out_dir: Path, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                  max_shard_bytes: int,
+                  make_tensor: Callable[[str, tuple[int, ...]], torch.Tensor]) -> list[Path]:
+    """Write the tensors `make_tensor(name, shape)` makes, one shard in memory at a time.
 
     One shard is saved as `model.safetensors`; more are saved as
     `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json` mapping each
@@ -239,8 +249,6 @@ def write_weights(out_dir: Path, config: Mapping[str, Any], seed: int,
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    dtype = resolve_dtype(config["torch_dtype"])
-    shapes = weight_shapes(config)
     shards = _plan_shards(shapes, dtype.itemsize, max_shard_bytes)
     for stale in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # a previous write with another sharding
@@ -250,8 +258,7 @@ def write_weights(out_dir: Path, config: Mapping[str, Any], seed: int,
     for i, shard in enumerate(shards):
         file = out_dir / ("model.safetensors" if len(shards) == 1
                           else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        tensors = {name: random_weight(name, shape, seed, config["hidden_size"], dtype)
-                   for name, shape in shard}
+        tensors = {name: make_tensor(name, shape) for name, shape in shard}
         save_file(tensors, str(file), metadata={"format": "pt"})
         del tensors  # only one shard's tensors are alive at a time
         weight_map.update({name: file.name for name, _ in shard})
@@ -411,5 +418,6 @@ __all__ = [
     "random_weight",
     "weight_shapes",
     "write_tokenizer_files",
+    "write_sharded",
     "write_weights",
 ]

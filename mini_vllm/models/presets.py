@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import (
     AddedToken,
     Regex,
@@ -47,7 +46,6 @@ from mini_vllm.checkpoint import (
     DATA_DIR,
     DEFAULT_MAX_SHARD_BYTES,
     GENERATION_CONFIG,
-    _plan_shards,
     _write_json,
     write_tokenizer_files,
 )
@@ -433,31 +431,13 @@ def write_family_weights(out: Path, config: Mapping[str, Any], seed: int,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
     """Random safetensors weights for `config`, one shard in memory at a time (sharded
     with a `model.safetensors.index.json` past `max_shard_bytes`, as Hugging Face does)."""
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     dtype = resolve_dtype(config["torch_dtype"])
-    shapes = family_weight_shapes(config)
     hidden = config.get("hidden_size") or config["n_embd"]
     gpt2 = config["architectures"][0] == "GPT2LMHeadModel"
-    shards = _plan_shards(shapes, dtype.itemsize, max_shard_bytes)
-    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        file = out / ("model.safetensors" if len(shards) == 1
-                      else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        tensors = {name: family_random_weight(name, shape, seed, hidden,
-                                              gpt2 and len(shape) == 2 and ".h." in name, dtype)
-                   for name, shape in shard}
-        save_file(tensors, str(file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update({name: file.name for name, _ in shard})
-        files.append(file)
-    if len(shards) > 1:
-        total = sum(math.prod(shape) for _, shape in shapes) * dtype.itemsize
-        _write_json(out / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files
+    return checkpoint.write_sharded(
+        out, family_weight_shapes(config), dtype, max_shard_bytes,
+        lambda name, shape: family_random_weight(
+            name, shape, seed, hidden, gpt2 and len(shape) == 2 and ".h." in name, dtype))
 
 
 # --8<-- [start:make_family_model]
