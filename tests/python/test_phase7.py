@@ -14,10 +14,8 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +27,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_thread import free_port, serving
 
 import mini_vllm
 from mini_vllm import cli
@@ -36,7 +35,7 @@ from mini_vllm.cli import main
 from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM, RequestFailedError
 from mini_vllm.entrypoints.cli_args import build_parser
-from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.entrypoints.openai_server import build_app
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.phase7
@@ -44,12 +43,6 @@ pytestmark = pytest.mark.phase7
 MODEL = "tiny-test"
 MAX_MODEL_LEN = 128
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -71,22 +64,11 @@ def _serve(model_dir: Path, engine_process: bool) -> Iterator[Server]:
     engine = AsyncLLM(EngineArgs(
         model=str(model_dir), max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=600,
         max_num_seqs=64, engine_process=engine_process).create_engine_config())
-    app = build_app(engine, served_model_name=MODEL)
-    port = _free_port()
-    uv = make_server(app, "127.0.0.1", port, log_level="warning", access_log=False)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    with httpx.Client(timeout=60) as http:
-        yield Server(base, engine, client, http)
-    uv.should_exit = True
-    thread.join(timeout=20)
-    assert not thread.is_alive()
+    with serving(build_app(engine, served_model_name=MODEL), stop_timeout=20) as port:
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        with httpx.Client(timeout=60) as http:
+            yield Server(base, engine, client, http)
     assert not engine.is_running  # the app's lifespan shut the engine down
 
 
@@ -833,7 +815,7 @@ def test_cli_chat_streams_replies_and_resets(server: Server, tiny_model_dir: Pat
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_cli_serve_shuts_down_cleanly_on_sigterm(tiny_model_dir: Path, mode: str) -> None:
-    port = _free_port()
+    port = free_port()
     proc = _run_cli("--model", str(tiny_model_dir), "--port", str(port),
                     "--max-model-len", "512", "--num-gpu-blocks-override", "64",
                     "--engine-process" if mode == "process" else "--no-engine-process",

@@ -35,6 +35,7 @@ import trustme
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from server_thread import serving
 
 from mini_vllm import cli
 from mini_vllm.cli import main
@@ -49,18 +50,12 @@ from mini_vllm.entrypoints.connections import (
     ensure_descriptors,
     rate_limited_exception_handler,
 )
-from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.entrypoints.openai_server import build_app
 
 pytestmark = pytest.mark.phase7
 
 MODEL = "tiny-test"
 MAX_MODEL_LEN = 128
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -83,21 +78,9 @@ def _serve(model_dir: Path, args: FrontendArgs | None = None, max_num_seqs: int 
         max_num_seqs=max_num_seqs, engine_process=False, **engine_args).create_engine_config())
     args = args or FrontendArgs()
     app = build_app(engine, served_model_name=MODEL, args=args)
-    port = _free_port()
-    uv = make_server(app, "127.0.0.1", port, log_level="warning", access_log=False, args=args)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        with httpx.Client(timeout=60, verify=False) as http:
-            yield Server(f"{scheme}://127.0.0.1:{port}", port, engine, app, http)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=20)
-    assert not thread.is_alive()
+    with serving(app, args, stop_timeout=20) as port, \
+            httpx.Client(timeout=60, verify=False) as http:
+        yield Server(f"{scheme}://127.0.0.1:{port}", port, engine, app, http)
 
 
 # Tight limits, so that the tests (and schemathesis) stay small.

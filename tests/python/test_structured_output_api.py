@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +24,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from server_thread import serving
 from test_structured_output import SCHEMAS  # the schemas the sampler-level tests use
 
 from mini_vllm import LLM, SamplingParams
@@ -33,7 +32,7 @@ from mini_vllm.config import EngineArgs
 from mini_vllm.engine.async_engine import AsyncLLM
 from mini_vllm.engine.llm_engine import LLMEngine
 from mini_vllm.entrypoints.args import FrontendArgs
-from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.entrypoints.openai_server import build_app
 from mini_vllm.reasoning import Qwen3ReasoningParser
 from mini_vllm.tokenizer import Tokenizer
 
@@ -308,33 +307,18 @@ class Server:
         return self.http.post(self.base_url + path, json={"model": MODEL, **body})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _serve(model_dir: Path | None, args: FrontendArgs, **engine_args: Any) -> Iterator[Server]:
     engine = AsyncLLM(EngineArgs(
         model=None if model_dir is None else str(model_dir), max_model_len=1024,
         num_gpu_blocks_override=400, max_num_seqs=64, **engine_args).create_engine_config())
     app = build_app(engine, served_model_name=MODEL, args=args)
-    port = _free_port()
-    uv = make_server(app, "127.0.0.1", port, log_level="warning", access_log=False, args=args)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    with httpx.Client(timeout=120) as http:
-        yield Server(base, engine, client, http)
-    uv.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    with serving(app, args, start_timeout=60) as port:
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        with httpx.Client(timeout=120) as http:
+            yield Server(base, engine, client, http)
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from server_thread import serving
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.checkpoint import make_model
 from mini_vllm.config import EngineArgs
 from mini_vllm.distributed.executor import MultiprocExecutor, WorkerDiedError
 from mini_vllm.engine.async_engine import AsyncLLM
-from mini_vllm.entrypoints.openai_server import build_app, make_server
+from mini_vllm.entrypoints.openai_server import build_app
 from mini_vllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -196,30 +196,6 @@ def test_killed_worker_fails_clearly_and_leaves_nothing(tiny_model_dir: Path) ->
 
 # ---- the server ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(engine: object) -> Iterator[str]:
-    app = build_app(engine, served_model_name="tp-test")
-    port = _free_port()
-    uv = make_server(app, "127.0.0.1", port, log_level="warning", access_log=False)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-
-
 def _complete(http: httpx.Client, base: str, prompt: str) -> httpx.Response:
     return http.post(base + "/v1/completions", json={
         "model": "tp-test", "prompt": prompt, "max_tokens": 10, "temperature": 0.0})
@@ -233,21 +209,20 @@ def test_server_with_tensor_parallel_size_2(tiny_model_dir: Path,
     engine = AsyncLLM(EngineArgs(str(tiny_model_dir), tensor_parallel_size=2, **ENGINE)
                       .create_engine_config())
     procs = engine.engine.model_runner.procs
-    serving = _serve(engine)
-    base = next(serving)
-    with httpx.Client(timeout=60) as http:
-        r = _complete(http, base, PROMPTS[0])
-        assert r.status_code == 200, r.text
-        tokenizer = engine.tokenizer
-        assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
-        procs[0].kill()
-        r = _complete(http, base, PROMPTS[1])
-        assert r.status_code == 503, r.text
-        assert "engine is not running" in r.json()["error"]["message"]
-        assert "tensor-parallel worker rank 1" in caplog.text  # the details go to the log
-        assert http.get(base + "/health").status_code == 503
-        assert _complete(http, base, PROMPTS[2]).status_code == 503
-    next(serving, None)
+    with serving(build_app(engine, served_model_name="tp-test")) as port:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=60) as http:
+            r = _complete(http, base, PROMPTS[0])
+            assert r.status_code == 200, r.text
+            tokenizer = engine.tokenizer
+            assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
+            procs[0].kill()
+            r = _complete(http, base, PROMPTS[1])
+            assert r.status_code == 503, r.text
+            assert "engine is not running" in r.json()["error"]["message"]
+            assert "tensor-parallel worker rank 1" in caplog.text  # the details go to the log
+            assert http.get(base + "/health").status_code == 503
+            assert _complete(http, base, PROMPTS[2]).status_code == 503
     assert all(p.poll() is not None for p in procs)
 
 
