@@ -123,11 +123,10 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the request's headers are in
             self._cancel_header_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._arm_header_timer(self._guard.header_timeout)  # the next request's deadline
+        elif self._header_timer is None and not self.transport.is_closing():
+            # The first bytes of a kept-alive connection's next request: its headers are
+            # due from now. (Until they came, uvicorn's keep-alive timeout held it.)
+            self._arm_header_timer(self._guard.header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()

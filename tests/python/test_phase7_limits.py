@@ -481,7 +481,7 @@ def test_the_connection_cap_answers_503_with_retry_after_and_recovers(
 
 def test_slow_headers_and_bodies_time_out(tiny_model_dir: Path) -> None:
     args = FrontendArgs(timeout_request_headers=0.5, timeout_request_body=0.5,
-                        timeout_keep_alive=1)
+                        timeout_keep_alive=2)
     with _serve(tiny_model_dir, args) as server:
         silent = socket.create_connection(("127.0.0.1", server.port))
         trickle = socket.create_connection(("127.0.0.1", server.port))
@@ -513,12 +513,22 @@ def test_slow_headers_and_bodies_time_out(tiny_model_dir: Path) -> None:
         assert data.startswith(b"HTTP/1.1 408")
         slow_body.close()
 
-        # Keep-alive: an idle connection is closed after timeout_keep_alive.
+        # Keep-alive: an idle connection is closed after timeout_keep_alive, not after
+        # the header deadline (no request has begun) ...
         conn = RawConnection(server.port)
         response, _ = conn.request("GET", "/health")
         assert response.status_code == 200
-        assert not conn.closed_by_server(within=0.5)
-        assert conn.closed_by_server(within=2)
+        assert not conn.closed_by_server(within=1.0)
+        assert conn.closed_by_server(within=3)
+        conn.close()
+        # ... while the next request's headers, once begun, are due within the deadline.
+        conn = RawConnection(server.port)
+        response, _ = conn.request("GET", "/health")
+        assert response.status_code == 200
+        conn.sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert conn.closed_by_server(within=3)
+        assert time.monotonic() - start < 1.5  # the header deadline (0.5 s), not keep-alive
         conn.close()
         assert server.http.get(server.url("/health")).status_code == 200
 
