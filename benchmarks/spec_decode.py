@@ -347,43 +347,51 @@ def run_real_pair(ns: argparse.Namespace) -> dict[str, Any]:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True))
                for q in REAL_PAIR_QUESTIONS]
+    proposer, policy = engine.proposer, engine.spec_policy
+
+    def run(params: SamplingParams, k: int | None) -> tuple[list[list[int]], dict[str, Any]]:
+        """The questions one at a time, plainly (k None) or with k proposals a step."""
+        engine.spec_policy = None if k is None else policy
+        if k is not None:
+            policy.num_speculative_tokens = k
+        before = engine.get_stats()
+        t0 = time.perf_counter()
+        texts: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            engine.add_request(f"real-{params.temperature}-{k}-{i}", p, params)
+            texts.append([])
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    texts[-1] += o.outputs[0].token_ids
+        elapsed = time.perf_counter() - t0
+        after = engine.get_stats()
+        delta = {key: after[key] - before[key] for key in (
+            "num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_draft_time_s", "spec_decode_step_time_s")}
+        n = sum(map(len, texts))
+        drafted = delta["spec_decode_num_draft_tokens"]
+        return texts, {
+            "temperature": params.temperature, "k": k, "speculative": k is not None,
+            "tok_s": n / elapsed, "num_tokens": n,
+            # one request at a time: an engine step is one target forward
+            "num_target_forwards": delta["num_steps"], "num_draft_tokens": drafted,
+            "acceptance_rate": (delta["spec_decode_num_accepted_tokens"] / drafted
+                                if drafted else None),
+            "draft_time_fraction": (delta["spec_decode_draft_time_s"]
+                                    / delta["spec_decode_step_time_s"]
+                                    if delta["spec_decode_step_time_s"] else None)}
+
     out: dict[str, Any] = {"status": "ok", "target": Path(ns.target_model).name,
                            "draft": Path(ns.draft_model).name,
                            "questions": REAL_PAIR_QUESTIONS, "runs": []}
     for temperature in (0.0, 0.7):
         params = SamplingParams(temperature=temperature, max_tokens=ns.output_len, seed=ns.seed)
+        plain, row = run(params, None)
+        out["runs"].append({**row, "identical_to_plain": None})
         for k in (2, 4):
-            proposer, policy = engine.proposer, engine.spec_policy
-            policy.num_speculative_tokens = k
-            for speculate in (False, True):
-                engine.spec_policy = policy if speculate else None
-                before = engine.get_stats()
-                t0 = time.perf_counter()
-                texts: list[list[int]] = []
-                steps = 0  # target forwards (one request at a time: one per step)
-                for i, p in enumerate(prompts):
-                    engine.add_request(f"real-{temperature}-{k}-{speculate}-{i}", p, params)
-                    texts.append([])
-                    while engine.has_unfinished_requests():
-                        steps += 1
-                        for o in engine.step():
-                            texts[-1] += o.outputs[0].token_ids
-                elapsed = time.perf_counter() - t0
-                n = sum(map(len, texts))
-                if not speculate:
-                    plain = texts
-                after = engine.get_stats()
-                drafted = after["spec_decode_num_draft_tokens"] - before[
-                    "spec_decode_num_draft_tokens"]
-                accepted = after["spec_decode_num_accepted_tokens"] - before[
-                    "spec_decode_num_accepted_tokens"]
-                out["runs"].append({"temperature": temperature, "k": k, "speculative": speculate,
-                                    "tok_s": n / elapsed, "num_tokens": n,
-                                    "num_target_forwards": steps,
-                                    "num_draft_tokens": drafted,
-                                    "acceptance_rate": accepted / drafted if drafted else None,
-                                    "identical_to_plain": texts == plain})
-            engine.proposer, engine.spec_policy = proposer, policy
+            texts, row = run(params, k)
+            out["runs"].append({**row, "identical_to_plain": texts == plain})
+    engine.proposer, engine.spec_policy = proposer, policy
     return out
 
 

@@ -15,6 +15,9 @@ from mini_vllm.checkpoint import DATA_DIR
 # The embedded default model: a checkpoint directory inside the package, written by
 # scripts/train_tiny.py (trained weights, the shipped tokenizer and chat template).
 DEFAULT_MODEL_DIR = DATA_DIR / "default_model"
+# Its draft for speculative decoding (`speculative_config={"model": DEFAULT_DRAFT_DIR}`):
+# a smaller sibling trained by the same script on the same corpus and tokenizer.
+DEFAULT_DRAFT_DIR = DATA_DIR / "default_draft"
 
 
 def default_model_dir() -> Path:
@@ -60,4 +63,4 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 # --8<-- [end:resolve_model_dir]
 
 
-__all__ = ["DEFAULT_MODEL_DIR", "default_model_dir", "resolve_model_dir"]
+__all__ = ["DEFAULT_DRAFT_DIR", "DEFAULT_MODEL_DIR", "default_model_dir", "resolve_model_dir"]

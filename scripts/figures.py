@@ -1522,23 +1522,23 @@ SPEC_REAL_CMD = ("python benchmarks/spec_decode.py --presets --device cpu "
 def spec_real(res: Results) -> str:
     """Acceptance of a trained draft/target pair on text, or why there is none."""
     if not (res.root / SPEC_REAL_FILE).is_file():
-        return f"*Not measured yet: `{SPEC_REAL_CMD}`, then `python scripts/figures.py`.*"
+        return NotMeasured(f"*Not measured yet: `{SPEC_REAL_CMD}`, then "
+                           "`python scripts/figures.py`.*")
     real = res(SPEC_REAL_FILE)["real_pair"]
     if real.get("status") != "ok":
         return f"*No trained pair in this run ({real.get('status')}): " \
                f"{real.get('reason') or real.get('error')}.*"
-    plain = {(x["temperature"], x["k"]): x for x in real["runs"] if not x["speculative"]}
-    rows = []
-    for x in real["runs"]:
-        if x["speculative"]:
-            p = plain[x["temperature"], x["k"]]
-            rows.append([f"{x['temperature']:g}", x["k"], pct(x["acceptance_rate"], 0),
-                         f"{p['num_target_forwards']:,} → {x['num_target_forwards']:,}",
-                         f"{x['num_tokens'] / x['num_target_forwards']:.2f}",
-                         ("yes" if x["identical_to_plain"] else "no")
-                         if x["temperature"] == 0 else "-"])
+    plain = {x["temperature"]: x for x in real["runs"] if not x["speculative"]}
+    rows = [[f"{x['temperature']:g}", x["k"], pct(x["acceptance_rate"], 0),
+             (f"{plain[x['temperature']]['num_target_forwards']:,} → "
+              f"{x['num_target_forwards']:,}"),
+             f"{x['num_tokens'] / x['num_target_forwards']:.2f}",
+             pct(x["draft_time_fraction"], 0),
+             ("yes" if x["identical_to_plain"] else "no") if x["temperature"] == 0 else "-"]
+            for x in real["runs"] if x["speculative"]]
     return table(["temperature", "k", "proposals accepted", "target forwards",
-                  "tokens per target forward", "same text as plain"], rows)
+                  "tokens per target forward", "draft's share of the time",
+                  "same text as plain"], rows)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -18,7 +18,8 @@ Run it from the repository root:
 
     python scripts/train_tiny.py                    # CPU; writes mini_vllm/data/default_model
     python scripts/train_tiny.py --device cuda      # the same on one GPU
-    python scripts/train_tiny.py --size small --out /tmp/small   # the larger sibling
+    python scripts/train_tiny.py --size nano        # its draft: mini_vllm/data/default_draft
+    python scripts/train_tiny.py --size small --out /tmp/small --results /tmp/small.json
 
 It writes the checkpoint (`--out`), then evaluates it through `mini_vllm.LLM` on the
 CPU (greedy answers to every held-out question, and the perplexity of the held-out
@@ -46,6 +47,10 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "mini_vllm" / "data" / "default_model"
 DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results" / "default_model" / "train.json"
+# Where each shipped size goes unless --out and --results say otherwise.
+HOMES = {"tiny": (DEFAULT_OUT, DEFAULT_RESULTS),
+         "nano": (REPO_ROOT / "mini_vllm" / "data" / "default_draft",
+                  DEFAULT_RESULTS.with_name("draft_train.json"))}
 
 # --8<-- [start:world]
 WORLD = "Maple Valley"
@@ -211,7 +216,7 @@ SIZES: dict[str, dict[str, Any]] = {
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
              "max_window_layers": 4, "max_position_embeddings": 1024},
     # A draft for speculative decoding (chapter 17): the default model's tokenizer and
-    # corpus, an eighth of its compute per token.
+    # corpus, about a quarter of its parameters and compute per token.
     "nano": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
              "max_window_layers": 2, "max_position_embeddings": 1024},
@@ -741,10 +746,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES),
                         help="model shape (tiny is the shipped default)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="checkpoint directory to write (replaced)")
-    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
-                        help="JSON file of the run's figures (a .md table is written beside it)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="checkpoint directory to write (replaced; default: the shipped "
+                             "one of --size tiny or nano)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="JSON file of the run's figures (a .md table is written beside "
+                             "it; default: the shipped one of --size tiny or nano)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
@@ -768,6 +775,12 @@ def training_command(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.out is None or args.results is None:
+        if args.size not in HOMES:
+            raise SystemExit(f"--size {args.size} is not shipped: give --out and --results")
+        home_out, home_results = HOMES[args.size]
+        args.out = args.out or home_out
+        args.results = args.results or home_results
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, Qwen3ForCausalLM
