@@ -417,7 +417,7 @@ __all__ = [
     "preset_config",
     "random_weight",
     "weight_shapes",
-    "write_tokenizer_files",
     "write_sharded",
+    "write_tokenizer_files",
     "write_weights",
 ]

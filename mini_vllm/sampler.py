@@ -119,7 +119,6 @@ class Sampler:
         """The step's metadata for this sampler (see `SamplingMetadata.build`)."""
         return SamplingMetadata.build(requests, device, vocab_size, eos_token_ids)
 
-
     # --8<-- [start:token_constraints]
     @staticmethod
     def apply_token_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -23,20 +23,14 @@ if [[ -z "${TPS:-}" ]]; then
   (( NGPU >= 4 )) && TPS="1 2 4"
 fi
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
+source scripts/gpu_env.sh
 
 if stage env; then
   { nvidia-smi -L; nvidia-smi topo -m
     "$PY" -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version())'
   } 2>&1 | tee "$OUT/env.txt"
 fi
-if stage build; then
-  if "$PY" -c 'import mini_vllm._C' 2>/dev/null; then
-    echo "kernels: mini_vllm._C imports, not rebuilt"
-  else
-    CUDA_ARCHS="${CUDA_ARCHS:-90}" PYTHON="$PY" bash scripts/build_kernels.sh > "$OUT/build.log" 2>&1
-    echo "build rc=$?"; tail -2 "$OUT/build.log"
-  fi
-fi
+if stage build; then build_kernels_unless_built; fi
 if stage tests; then
   timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider --timeout 280 \
     -m "gpu and tensor_parallel" tests/python/test_tensor_parallel.py 2>&1 \

@@ -354,4 +354,5 @@ class EngineCoreProcess:
         self._outputs.close()
 
 
-__all__ = ["EngineCoreProcess", "decode_outputs", "encode_outputs", "run_engine_core"]
+__all__ = ["EngineCoreProcess", "decode_outputs", "encode_outputs", "forward_commands",
+           "receive_outputs", "run_engine_core"]

@@ -158,7 +158,6 @@ class LLMEngine(OutputProcessing, StructuredOutputSteps, AsyncScheduling, Specul
             self.structured_output_manager.compile(req.params.structured_outputs)
         self.add_processed_request(req)
 
-
     # --8<-- [start:add_request]
     def add_processed_request(self, req: ProcessedRequest) -> None:
         """Queue a request that `process_inputs` validated.

@@ -3,7 +3,6 @@ process, on a free port of the loopback interface."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,15 +10,9 @@ from contextlib import contextmanager
 
 from fastapi import FastAPI
 
+from mini_vllm.distributed.parallel_state import free_port
 from mini_vllm.entrypoints.args import FrontendArgs
 from mini_vllm.entrypoints.openai_server import make_server
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -321,7 +321,6 @@ def test_float32_greedy_tokens_match_the_cpu_reference(tiny_model_dir: Path,
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-
 def _prefilled(runner: ModelRunner, num_seqs: int, seed: int = 2
                ) -> tuple[list[list[int]], list[list[int]]]:
     prompts = random_prompts([3 + 5 * i for i in range(num_seqs)], runner.vocab_size, seed)
