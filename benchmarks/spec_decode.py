@@ -538,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     report = {
         "benchmark": "spec_decode",
         "environment": environment(ns.device),
-        "args": {k: v for k, v in vars(ns).items() if not k.startswith("worker")},
+        "args": {k: v for k, v in vars(ns).items() if not k.startswith(("worker", "plot"))},
         "acceptance_means": "the probability with which the proposer proposes the target's "
                             "own greedy token, at each position (independently)",
         "results": results,
