@@ -658,6 +658,26 @@ def hf_logits_of_mixed_steps(hf: torch.nn.Module, seqs: list[list[int]],
     ])
 
 
+def test_mixed_steps_helpers_line_up_with_hf_on_the_reference_runner(
+        tiny_model_dir: Path) -> None:
+    """The two helpers the GPU logits tests share, checked where they can run everywhere:
+    the reference runner's rows in float32 equal Hugging Face's rows picked by
+    `hf_logits_of_mixed_steps` (a row picked one position off differs by far more)."""
+    transformers = pytest.importorskip("transformers")
+    runner = ModelRunner(EngineArgs(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=16,
+        num_gpu_blocks_override=64, max_model_len=256, max_num_seqs=4).create_engine_config())
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir,
+                                                       dtype=torch.float32).eval()
+    prompts = random_prompts([7, 33, 60, 50], 200, seed=3)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]  # 128 tokens each
+    ours, seqs = run_mixed_steps(runner, prompts, tables, chunk=20)
+    assert ours.shape[0] == 3 + 4 + 3 * 4
+    assert [len(s) - len(p) for s, p in zip(seqs, prompts)] == [5, 5, 5, 4]
+    want = hf_logits_of_mixed_steps(hf, seqs, [len(p) for p in prompts])
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qwen3_0_6b_bfloat16_logits_match_hf_float32(tmp_path: Path) -> None:
